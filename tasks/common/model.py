@@ -1,0 +1,119 @@
+"""Which base model the pipeline starts from, and the one place that loads it.
+
+``model.pretrain`` is ``builtin:tiny`` (the embedded default, built offline), a Hugging Face
+name, or a local path. Every stage loads through ``load_tokenizer`` / ``load_causal_lm``, which
+are plain ``from_pretrained`` calls; the built-in model is first materialised to a local folder.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from tasks.common.builtin import BUILTIN_PREFIX, builtin_dir
+
+
+class ModelConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    pretrain: str = Field(
+        "builtin:tiny",
+        description="Base model: 'builtin:tiny' (embedded, offline), a Hugging Face name (gpt2, facebook/opt-125m, ...) or a local path.",
+    )
+    tokenizer: str | None = Field(None, description="Tokenizer name or path; defaults to `pretrain`.")
+    revision: str | None = Field(None, description="Model revision (branch, tag or commit) for hub names.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weights dtype: 'auto' is bf16 on a GPU that supports it, fp32 on CPU."
+    )
+    trust_remote_code: bool = Field(False, description="Allow model code from the hub (off: safer).")
+
+    @field_validator("pretrain")
+    @classmethod
+    def _pretrain_not_empty(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("model.pretrain is empty: use 'builtin:tiny', a hub name or a local path")
+        return v
+
+    @property
+    def is_builtin(self) -> bool:
+        return self.pretrain.startswith(BUILTIN_PREFIX)
+
+    def path(self) -> str:
+        """What to hand ``from_pretrained``: a local folder for builtin models, else the name."""
+        if self.is_builtin:
+            return str(builtin_dir(self.pretrain[len(BUILTIN_PREFIX):]))
+        return self.pretrain
+
+    def identity(self) -> dict:
+        """What makes this base model what it is, for cache keys."""
+        if self.is_builtin:
+            return {"pretrain": f"{self.pretrain}@{Path(self.path()).name}", "dtype": self.dtype}
+        return {"pretrain": self.pretrain, "revision": self.revision, "tokenizer": self.tokenizer, "dtype": self.dtype}
+
+
+def check_model_exists(cfg: ModelConfig) -> None:
+    """Fail early, before any training starts, when ``model.pretrain`` cannot be resolved."""
+    if cfg.is_builtin:
+        cfg.path()
+        return
+    p = Path(cfg.pretrain).expanduser()
+    if p.exists():
+        if not (p / "config.json").exists():
+            raise ValueError(f"model.pretrain {cfg.pretrain!r}: the folder has no config.json; point it at a saved Hugging Face model")
+        return
+    if cfg.pretrain.startswith((".", "/", "~")):
+        raise ValueError(f"model.pretrain {cfg.pretrain!r}: no such folder; give an existing local path, a hub name or 'builtin:tiny'")
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(cfg.pretrain, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+    except Exception as e:  # OSError for unknown names / no network; the message says which
+        raise ValueError(
+            f"model.pretrain {cfg.pretrain!r} could not be resolved ({type(e).__name__}: {str(e).splitlines()[0]}); "
+            "give a local path to a saved model, a hub name reachable from here, or 'builtin:tiny'"
+        ) from None
+
+
+def torch_dtype(cfg: ModelConfig, device: str):
+    import torch
+
+    if cfg.dtype != "auto":
+        return getattr(torch, cfg.dtype)
+    if device.startswith("cuda") and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
+def load_tokenizer(cfg: ModelConfig, path: str | None = None):
+    """The tokenizer, with a pad token (eos where it has none, as the seeds do; unk for llama)."""
+    from transformers import AutoTokenizer
+
+    name = path or cfg.tokenizer or cfg.path()
+    tok = AutoTokenizer.from_pretrained(name, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+    if tok.pad_token is None:
+        tok.pad_token = tok.unk_token if getattr(tok, "unk_token", None) and "llama" in type(tok).__name__.lower() else tok.eos_token
+    if tok.pad_token is None:
+        raise ValueError(f"tokenizer of {name!r} has neither pad, unk nor eos token; set model.tokenizer to one that has")
+    return tok
+
+
+def load_causal_lm(cfg: ModelConfig, device: str = "cpu", path: str | None = None):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        path or cfg.path(), revision=cfg.revision, dtype=torch_dtype(cfg, device),
+        trust_remote_code=cfg.trust_remote_code,
+    ).to(device)
+
+
+def pick_device(requested: str = "auto") -> str:
+    """'auto' -> cuda when there is a GPU, else cpu. An explicit 'cuda' without one is an error."""
+    import torch
+
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {requested!r} asked for, but torch sees no CUDA GPU here; use 'auto' or 'cpu'")
+    return requested

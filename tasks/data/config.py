@@ -1,0 +1,24 @@
+"""Data prep config."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class DataConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    sft_path: str | None = Field(None, description="SFT data URI (.txt one item a line, or .jsonl with prompt/response, messages or text). None: the built-in task.")
+    preference_path: str | None = Field(None, description="Preference pairs URI (.jsonl with prompt/chosen/rejected). None: the built-in task.")
+    prompts_path: str | None = Field(None, description="PPO prompts URI (.txt a prompt a line, .csv with a `prompt` column, or .jsonl). None: the built-in task.")
+    ptx_path: str | None = Field(None, description="Pretraining text URI for the PPO ptx loss (.txt or .jsonl with text, or prompt/response). None: the built-in task.")
+    storage_options: dict[str, Any] = Field(default_factory=dict, description="fsspec options for the data URIs (not credentials: those come from the environment).")
+    eval_fraction: float = Field(0.1, gt=0.0, lt=1.0, description="Share of each data set held out for evaluation (split by seed).")
+    max_length: int = Field(64, gt=8, description="Max tokens of a training sequence (seed: 512).")
+    max_prompt_length: int = Field(32, gt=1, description="Max tokens of a PPO prompt (seed pads prompts to 96).")
+    short_text: bool = Field(False, description="Plain-text SFT: keep each line its own sample instead of grouping adjacent lines up to max_length (seed --is_short_text).")
+    prompt_template: str = Field("Human: {prompt}\nAssistant:", description="How a prompt is rendered (must contain {prompt}); chat `messages` use the tokenizer's chat template instead.")
+    response_template: str = Field(" {response}", description="How a response follows the rendered prompt (must contain {response}); EOS is appended.")
+    builtin_seed: int = Field(0, description="Seed of the built-in task generator.")

@@ -1,0 +1,110 @@
+"""Shared fixtures: real servers on 127.0.0.1, started once per session.
+
+- ``s3_server``: moto's S3 API server (a real HTTP S3 endpoint for s3fs), with a bucket.
+- ``ray_cluster``: a local Ray (no dashboard), shut down at the end.
+- ``prefect_api``: a real ``prefect server start`` on a free loopback port; PREFECT_API_URL is
+  exported so flows, tasks and Ray workers started afterwards report to it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server for {url} exited with {proc.returncode}")
+        try:
+            urllib.request.urlopen(url, timeout=2)
+            return
+        except Exception:
+            time.sleep(0.2)
+    raise TimeoutError(f"{url} did not answer within {timeout}s")
+
+
+@pytest.fixture(scope="session")
+def rlhf_cache(tmp_path_factory) -> Path:
+    """One cache (built-in model, downloaded artifacts) for the session, inherited by Ray workers."""
+    path = tmp_path_factory.mktemp("rlhf-cache")
+    os.environ["RLHF_CACHE"] = str(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """(endpoint_url, bucket): a moto S3 server on loopback with one bucket."""
+    port = free_port()
+    env = {**os.environ, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+    )
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        _wait_http(endpoint, 30, proc)
+        for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+            os.environ[k] = v
+        import boto3
+
+        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket="rlhf-test")
+        yield endpoint, "rlhf-test"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(rlhf_cache):
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def prefect_api(tmp_path_factory):
+    """A real Prefect server on 127.0.0.1; yields its API URL."""
+    home = tmp_path_factory.mktemp("prefect-home")
+    port = free_port()
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "PREFECT_UI_ENABLED": "false"}
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).parent / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        stdout=open(home / "server.log", "w"), stderr=subprocess.STDOUT, env=env,
+    )
+    api = f"http://127.0.0.1:{port}/api"
+    try:
+        _wait_http(api + "/health", 90, proc)
+        os.environ["PREFECT_API_URL"] = api
+        os.environ["PREFECT_HOME"] = str(home)
+        yield api
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
