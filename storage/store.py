@@ -1,14 +1,15 @@
 """One small artifact store on fsspec: file://, memory://, s3:// (s3fs), gcs://, ...
 
 An artifact is a directory of files under ``<root>/<key>/``. Publishing uploads the files into a
-fresh ``data-<uuid>/`` folder and then writes ``MANIFEST.json`` last, in one put (an atomic
-rename on local disks). A reader only trusts what a manifest names, so a half-written artifact
-is never seen as complete, and two writers of the same key never mix their files: each
-manifest points at a complete folder of its own.
+fresh ``data-<time>-<uuid>/`` folder and then writes ``MANIFEST.json`` last, in one put (an
+atomic rename on local disks). A reader only trusts what a manifest names, so a half-written
+artifact is never seen as complete, and two writers of the same key never mix their files: each
+manifest points at a complete folder of its own. A republished key leaves the older folder
+behind unreferenced (a reader may still be fetching it); ``delete`` removes them all.
 
 The manifest describes the artifact (STYLE 6): the config that made it, the content hashes of
-its inputs, a sha256 per file, library versions, metrics, and when it was made. Storage options
-(endpoints, credentials) are never written into it.
+its inputs, a sha256 and size per file, library versions, metrics, and when it was made.
+Storage options (endpoints, credentials) are never written into it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -27,7 +29,13 @@ import fsspec
 from pydantic import BaseModel
 
 MANIFEST = "MANIFEST.json"
+DATA_PREFIX = "data-"
 _LOCAL = {"file", "local"}
+_SEGMENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._=+-]*")
+# Fields publish() writes itself; ``extra`` may not replace them (a stray "files" would make the
+# manifest point at nothing).
+_RESERVED = {"format", "kind", "key", "data", "content_hash", "files", "config", "inputs",
+             "input_uris", "metrics", "versions", "created_at"}
 
 
 class ArtifactRef(BaseModel):
@@ -59,11 +67,25 @@ def content_hash(files: Mapping[str, Mapping[str, Any]]) -> str:
     return h.hexdigest()
 
 
+def to_jsonable(obj: Any) -> Any:
+    """JSON default for manifests and keys: pydantic models, numpy/torch scalars, paths, sets.
+
+    Sets are sorted so that a key does not depend on the process's hash seed.
+    """
+    if hasattr(obj, "model_dump"):
+        return obj.model_dump(mode="json")
+    if isinstance(obj, (set, frozenset)):
+        return sorted(obj, key=lambda v: json.dumps(v, sort_keys=True, default=to_jsonable))
+    if hasattr(obj, "item") and callable(obj.item):  # numpy / torch scalars (0-d tensors)
+        return obj.item()
+    return str(obj)
+
+
 def library_versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
     out = {}
-    for name in ("torch", "transformers", "peft", "ray", "prefect", "fsspec"):
+    for name in ("torch", "transformers", "peft", "ray", "prefect", "fsspec", "s3fs"):
         try:
             out[name] = version(name)
         except PackageNotFoundError:
@@ -72,13 +94,24 @@ def library_versions() -> dict[str, str]:
 
 
 def _check_key(key: str) -> str:
-    parts = PurePosixPath(key).parts
-    if not key or key.startswith("/") or any(p in ("..", ".", "") for p in parts) or "\\" in key:
+    parts = key.split("/") if isinstance(key, str) else [None]
+    bad = [p for p in parts if not (isinstance(p, str) and _SEGMENT.fullmatch(p))]
+    reserved = [p for p in parts if p == MANIFEST or (isinstance(p, str) and p.startswith(DATA_PREFIX))]
+    if not key or bad or reserved:
         raise ValueError(
-            f"artifact key {key!r} is not a relative path inside the store "
-            "(no leading '/', no '..' or '.' parts): use keys like 'sft/3f2a9c'"
+            f"artifact key {key!r} is not a relative path inside the store: use '/'-separated "
+            "parts of letters, digits and ._=+- (not starting with '.' or '-'; no '..', no leading "
+            f"'/', no empty part; '{MANIFEST}' and '{DATA_PREFIX}*' are reserved), e.g. 'sft/3f2a9c'"
         )
-    return "/".join(parts)
+    return key
+
+
+def _check_rel(uri: str, rel: str) -> str:
+    """A file path read from a manifest must stay inside the artifact's folder."""
+    p = PurePosixPath(rel)
+    if not rel or p.is_absolute() or ".." in p.parts or "\\" in rel:
+        raise ArtifactCorrupt(f"{uri}: manifest names file {rel!r} outside the artifact folder")
+    return rel
 
 
 class ArtifactStore:
@@ -98,9 +131,17 @@ class ArtifactStore:
         self.uri = uri.rstrip("/")
         self.fs, self.root = fsspec.core.url_to_fs(self.uri, **dict(storage_options or {}))
         self.root = self.root.rstrip("/")
-        self.local = bool(set(_protocols(self.fs)) & _LOCAL)
+        protocols = set(_protocols(self.fs))
+        self.local = bool(protocols & _LOCAL)
+        # Remote stores may be unreachable when a publish fails; we then leave the unreferenced
+        # data folder for delete() instead of retrying against a dead endpoint.
+        self.remote = not (self.local or "memory" in protocols)
         if self.local:
-            os.makedirs(self.root, exist_ok=True)
+            try:
+                os.makedirs(self.root, exist_ok=True)
+            except PermissionError as e:
+                raise PermissionError(f"store.uri {uri!r}: cannot create {self.root} ({e.strerror}); "
+                                      "make its parent writable or point store.uri elsewhere") from e
 
     def __repr__(self) -> str:
         return f"ArtifactStore({self.uri!r})"
@@ -112,53 +153,74 @@ class ArtifactStore:
     def uri_of(self, key: str) -> str:
         return f"{self.uri}/{_check_key(key)}"
 
+    def _fresh(self, path: str) -> None:
+        # s3fs answers exists/info from its listing cache; another process may have published
+        # (or corrupted) since we listed, so readers drop the cache for the paths they read.
+        self.fs.invalidate_cache(path)
+
     # -- reading ---------------------------------------------------------------------------
     def exists(self, key: str) -> bool:
+        self._fresh(self._path(key))
         return self.fs.exists(self._path(key, MANIFEST))
 
     def manifest(self, key: str) -> dict:
         path = self._path(key, MANIFEST)
+        self._fresh(self._path(key))
         try:
             raw = self.fs.cat_file(path)
         except FileNotFoundError:
             raise FileNotFoundError(f"no artifact at {self.uri_of(key)} (no {MANIFEST})") from None
-        return json.loads(raw)
+        try:
+            return json.loads(raw)
+        except ValueError as e:
+            raise ArtifactCorrupt(f"{self.uri_of(key)}: {MANIFEST} is not valid JSON ({e})") from None
 
     def ref(self, key: str) -> ArtifactRef:
         m = self.manifest(key)
-        return ArtifactRef(uri=self.uri_of(key), key=key, kind=m["kind"], content_hash=m["content_hash"])
+        return ArtifactRef(uri=self.uri_of(key), key=_check_key(key), kind=m["kind"], content_hash=m["content_hash"])
 
     def list(self, prefix: str = "") -> list[str]:
-        """Keys of complete artifacts under ``prefix``."""
+        """Keys of complete artifacts (those with a manifest) under ``prefix``, sorted."""
         base = self._path(prefix) if prefix else self.root
+        self._fresh(base)
         if not self.fs.exists(base):
             return []
-        found = self.fs.glob(f"{base}/**/{MANIFEST}") + self.fs.glob(f"{base}/{MANIFEST}")
         root = self.root + "/"
-        keys = {p[len(root):].rsplit("/", 1)[0] for p in (_strip(self.fs, f) for f in found) if p.startswith(root)}
+        keys = []
+        for found in self.fs.find(base):
+            path = _strip(self.fs, found)
+            if not (path.startswith(root) and path.endswith("/" + MANIFEST)):
+                continue
+            key = path[len(root):-len(MANIFEST) - 1]
+            # A file named MANIFEST.json inside some artifact's data folder is content, not a key.
+            if not any(p.startswith(DATA_PREFIX) for p in key.split("/")):
+                keys.append(key)
         return sorted(keys)
 
     def verify(self, key: str) -> dict:
         """Re-hash every file in the store against the manifest; raises ArtifactCorrupt."""
         m = self.manifest(key)
+        uri = self.uri_of(key)
         for rel, meta in m["files"].items():
-            path = self._path(key, m["data"], rel)
+            path = self._path(key, m["data"], _check_rel(uri, rel))
+            h, size = hashlib.sha256(), 0
             try:
                 with self.fs.open(path, "rb") as f:
-                    h = hashlib.sha256()
                     while block := f.read(1 << 20):
                         h.update(block)
+                        size += len(block)
             except FileNotFoundError:
-                raise ArtifactCorrupt(f"{self.uri_of(key)}: file {rel} named in the manifest is missing") from None
-            if h.hexdigest() != meta["sha256"]:
-                raise ArtifactCorrupt(f"{self.uri_of(key)}: file {rel} does not match its manifest sha256")
+                raise ArtifactCorrupt(f"{uri}: file {rel} named in the manifest is missing") from None
+            _check_file(uri, rel, meta, h.hexdigest(), size)
         return m
 
     def fetch(self, key: str, cache_dir: str | Path | None = None, verify: bool = True) -> Path:
         """A local directory holding the artifact's files, checked against the manifest.
 
-        Local stores return the published folder itself; remote ones download once into a
-        cache keyed by content hash (``$RLHF_CACHE`` or ``~/.cache/rlhf``).
+        Local stores return the published folder itself (treat it as read-only); ``verify``
+        re-hashes it. Remote ones download once into a cache keyed by content hash
+        (``$RLHF_CACHE`` or ``~/.cache/rlhf``); downloads are always checked, since the cache is
+        shared by every later fetch of the same content.
         """
         m = self.manifest(key)
         if self.local:
@@ -167,24 +229,25 @@ class ArtifactStore:
             return Path(self._path(key, m["data"]))
         cache = Path(cache_dir or os.environ.get("RLHF_CACHE", Path.home() / ".cache" / "rlhf")) / "artifacts"
         dest = cache / m["content_hash"]
-        if (dest / ".complete").exists():
+        if dest.is_dir():  # only ever renamed into place whole, after every file was checked
             return dest
         cache.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=cache, prefix=".partial-"))
+        uri = self.uri_of(key)
         try:
             for rel, meta in m["files"].items():
-                target = tmp / rel
+                target = tmp / _check_rel(uri, rel)
                 target.parent.mkdir(parents=True, exist_ok=True)
+                src = self._path(key, m["data"], rel)
+                self._fresh(src)
                 try:
-                    self.fs.get_file(self._path(key, m["data"], rel), str(target))
+                    self.fs.get_file(src, str(target))
                 except FileNotFoundError:
-                    raise ArtifactCorrupt(f"{self.uri_of(key)}: file {rel} named in the manifest is missing") from None
-                if verify and sha256_file(target) != meta["sha256"]:
-                    raise ArtifactCorrupt(f"{self.uri_of(key)}: file {rel} does not match its manifest sha256")
-            (tmp / ".complete").touch()
+                    raise ArtifactCorrupt(f"{uri}: file {rel} named in the manifest is missing") from None
+                _check_file(uri, rel, meta, sha256_file(target), target.stat().st_size)
             try:
                 os.replace(tmp, dest)
-            except OSError:  # another process published the same content first
+            except OSError:  # another process fetched the same content first
                 shutil.rmtree(tmp, ignore_errors=True)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -198,27 +261,35 @@ class ArtifactStore:
         local_dir: str | Path,
         *,
         kind: str,
-        config: Mapping[str, Any] | None = None,
+        config: Mapping[str, Any] | BaseModel | None = None,
         inputs: Mapping[str, ArtifactRef] | None = None,
         metrics: Mapping[str, Any] | None = None,
         extra: Mapping[str, Any] | None = None,
     ) -> ArtifactRef:
         """Upload every file under ``local_dir`` and then write the manifest: the one commit point."""
+        key = _check_key(key)
         local_dir = Path(local_dir)
         if not local_dir.is_dir():
             raise FileNotFoundError(f"publish {key!r}: {local_dir} is not a directory")
-        data = f"data-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
-        files: dict[str, dict[str, Any]] = {}
-        for path in sorted(p for p in local_dir.rglob("*") if p.is_file()):
-            rel = path.relative_to(local_dir).as_posix()
-            files[rel] = {"sha256": sha256_file(path), "size": path.stat().st_size}
-            target = self._path(key, data, rel)
-            self.fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
-            self.fs.put_file(str(path), target)
+        paths = sorted(p for p in local_dir.rglob("*") if p.is_file())
+        if not paths:
+            raise ValueError(f"publish {key!r}: {local_dir} holds no files; write the artifact there first")
+        clash = sorted(set(extra or {}) & _RESERVED)
+        if clash:
+            raise ValueError(f"publish {key!r}: extra fields {clash} would overwrite manifest fields; rename them")
+        data = f"{DATA_PREFIX}{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
+        try:
+            files = self._upload(key, data, local_dir, paths)
+        except BaseException:
+            if not self.remote and self.fs.exists(self._path(key, data)):
+                self.fs.rm(self._path(key, data), recursive=True)
+            raise
+        if hasattr(config, "model_dump"):
+            config = config.model_dump(mode="json")
         manifest = {
             "format": 1,
             "kind": kind,
-            "key": _check_key(key),
+            "key": key,
             "data": data,
             "content_hash": content_hash(files),
             "files": files,
@@ -230,28 +301,60 @@ class ArtifactStore:
             "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             **dict(extra or {}),
         }
-        self._write_manifest(key, json.dumps(manifest, indent=1, sort_keys=True, default=str).encode())
-        return ArtifactRef(uri=self.uri_of(key), key=manifest["key"], kind=kind, content_hash=manifest["content_hash"])
+        raw = json.dumps(manifest, indent=1, sort_keys=True, default=to_jsonable).encode()
+        self._write_manifest(key, raw)
+        return ArtifactRef(uri=self.uri_of(key), key=key, kind=kind, content_hash=manifest["content_hash"])
+
+    def _upload(self, key: str, data: str, local_dir: Path, paths: list[Path]) -> dict[str, dict[str, Any]]:
+        files: dict[str, dict[str, Any]] = {}
+        for path in paths:
+            rel = path.relative_to(local_dir).as_posix()
+            files[rel] = {"sha256": sha256_file(path), "size": path.stat().st_size}
+            target = self._path(key, data, rel)
+            try:
+                self.fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
+                self.fs.put_file(str(path), target)
+            except PermissionError as e:
+                raise PermissionError(
+                    f"publish {key!r} to {self.uri}: cannot write {target} ({e.strerror or e}); "
+                    "make the store root writable or point store.uri elsewhere"
+                ) from e
+        return files
 
     def _write_manifest(self, key: str, raw: bytes) -> None:
         path = self._path(key, MANIFEST)
         if self.local:  # write + rename: readers see the old manifest or the new one, never half
             tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-            with open(tmp, "wb") as f:
-                f.write(raw)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(raw)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, path)
+            finally:
+                if os.path.exists(tmp):
+                    os.remove(tmp)
         else:  # one PUT: object stores make it visible whole or not at all
             self.fs.pipe_file(path, raw)
 
     def delete(self, key: str) -> None:
-        """Remove an artifact: the manifest first, so it stops counting as complete at once."""
+        """Remove an artifact and every folder under its key (older data folders, nested keys).
+
+        The manifest goes first, so the artifact stops counting as complete at once.
+        """
         base = self._path(key)
+        self._fresh(base)
         if self.fs.exists(self._path(key, MANIFEST)):
             self.fs.rm_file(self._path(key, MANIFEST))
         if self.fs.exists(base):
             self.fs.rm(base, recursive=True)
+
+
+def _check_file(uri: str, rel: str, meta: Mapping[str, Any], sha256: str, size: int) -> None:
+    if size != meta["size"]:
+        raise ArtifactCorrupt(f"{uri}: file {rel} has {size} bytes, the manifest says {meta['size']} (truncated?)")
+    if sha256 != meta["sha256"]:
+        raise ArtifactCorrupt(f"{uri}: file {rel} does not match its manifest sha256")
 
 
 def _protocols(fs) -> tuple[str, ...]:
