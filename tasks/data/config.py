@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# Keys that would put secrets into flow parameters and manifests (as store.storage_options refuses).
+_SECRET_KEYS = {"key", "secret", "token", "password", "aws_access_key_id", "aws_secret_access_key", "aws_session_token"}
 
 
 class DataConfig(BaseModel):
@@ -22,3 +25,28 @@ class DataConfig(BaseModel):
     prompt_template: str = Field("Human: {prompt}\nAssistant:", description="How a prompt is rendered (must contain {prompt}); chat `messages` use the tokenizer's chat template instead.")
     response_template: str = Field(" {response}", description="How a response follows the rendered prompt (must contain {response}); EOS is appended.")
     builtin_seed: int = Field(0, description="Seed of the built-in task generator.")
+
+    @field_validator("prompt_template")
+    @classmethod
+    def _has_prompt(cls, v: str) -> str:
+        if "{prompt}" not in v:
+            raise ValueError(f"data.prompt_template {v!r} has no {{prompt}} placeholder; write e.g. 'Human: {{prompt}}\\nAssistant:'")
+        return v
+
+    @field_validator("response_template")
+    @classmethod
+    def _has_response(cls, v: str) -> str:
+        if "{response}" not in v:
+            raise ValueError(f"data.response_template {v!r} has no {{response}} placeholder; write e.g. ' {{response}}'")
+        return v
+
+    @field_validator("storage_options")
+    @classmethod
+    def _no_credentials(cls, v: dict) -> dict:
+        bad = sorted(k for k in v if k.lower() in _SECRET_KEYS)
+        if bad:
+            raise ValueError(
+                f"data.storage_options has credential keys {bad}: they would be saved with flow parameters; "
+                "set them in the environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, or a profile) instead"
+            )
+        return v
