@@ -1,0 +1,170 @@
+"""Sampling responses from a causal LM and scoring them token by token, for PPO rollouts.
+
+A plain decode loop instead of ``model.generate`` because PPO needs three things generate does
+not give: an action mask that stops at the first EOS, a fixed number of columns on every rank,
+and the same number of forward steps on every rank of a sharded group (``all_finished``), so
+that FSDP / ZeRO collectives inside ``forward`` never wait for a rank that already stopped.
+
+Prompts are LEFT-padded: (B, P) ids with an attention mask. Position ids come from the mask
+(``cumsum - 1``), so a row's positions do not depend on how much padding it got, and the same
+rule is used in ``action_logprobs``, so the log-probs recomputed for learning match the ones the
+sampler saw.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Callable, NamedTuple
+
+import torch
+from torch import Tensor
+
+from tasks.ppo.losses import entropy_from_logits, logprobs_from_logits
+
+
+class Rollout(NamedTuple):
+    sequences: Tensor       # (B, P + N) long: prompt (left-padded) + response (pad after EOS / stop)
+    attention_mask: Tensor  # (B, P + N) long: 1 on real prompt tokens and on actions
+    action_mask: Tensor     # (B, N) float: 1 on generated tokens up to and including the first EOS
+    ended_with_eos: Tensor  # (B,) bool: the response contains EOS (False: truncated at N tokens)
+
+
+def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
+    """``cumsum(mask) - 1`` clamped at 0: (B, L) -> (B, L) long; left padding gets position 0."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+
+
+def sample_next(
+    logits: Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+    generator: torch.Generator | None = None, greedy: bool = False,
+) -> Tensor:
+    """One token per row from ``logits`` (B, V) -> (B,) long.
+
+    Order as in Hugging Face's sampler: divide by ``temperature``, keep the ``top_k`` largest
+    (0: all; ties at the k-th value are kept), then the smallest set whose probability reaches
+    ``top_p`` (the most likely token always stays), then sample. ``greedy``: argmax, no filtering.
+    """
+    if greedy:
+        return logits.argmax(-1)
+    if temperature <= 0:
+        raise ValueError(f"sample_next: temperature ({temperature}) must be > 0; use greedy=True for argmax")
+    x = logits.float() / temperature
+    neg_inf = torch.tensor(float("-inf"), device=x.device)
+    if 0 < top_k < x.shape[-1]:
+        kth = torch.topk(x, top_k, dim=-1).values[:, -1:]
+        x = torch.where(x < kth, neg_inf, x)
+    if top_p < 1.0:
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        probs = torch.softmax(sorted_x, -1)
+        # drop a token when the tokens ranked above it already reach top_p
+        drop_sorted = (probs.cumsum(-1) - probs) >= top_p
+        drop_sorted[:, 0] = False
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        x = torch.where(drop, neg_inf, x)
+    return torch.multinomial(torch.softmax(x, -1), 1, generator=generator).squeeze(-1)
+
+
+def _unwrap(model):
+    """The Hugging Face model under DDP (``.module``) and PEFT (``get_base_model``) wrappers."""
+    while True:
+        if hasattr(model, "get_base_model"):
+            model = model.get_base_model()
+        elif isinstance(getattr(model, "module", None), torch.nn.Module):
+            model = model.module
+        else:
+            return model
+
+
+def _cache_kwarg(model) -> str:
+    # transformers 5.x renamed forward's ``past_key_values`` to ``cache`` (old name deprecated)
+    params = inspect.signature(_unwrap(model).forward).parameters
+    return "cache" if "cache" in params or "past_key_values" not in params else "past_key_values"
+
+
+@torch.no_grad()
+def generate(
+    model, input_ids: Tensor, attention_mask: Tensor, *, max_new_tokens: int, eos_token_id: int,
+    pad_token_id: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+    generator: torch.Generator | None = None, greedy: bool = False,
+    all_finished: Callable[[bool], bool] | None = None,
+) -> Rollout:
+    """Sample up to ``max_new_tokens`` (N) tokens per row with the model's KV cache.
+
+    input_ids, attention_mask: (B, P), LEFT-padded. Finished rows (EOS emitted) emit
+    ``pad_token_id`` with attention 0. Stops when every row is finished — as decided by
+    ``all_finished(local_done) -> bool`` when given (e.g. an all_reduce over the group), so all
+    ranks run the same number of forwards. The result always has N response columns.
+    The model runs in eval mode (no dropout while sampling) and its mode is restored after.
+    """
+    from transformers import DynamicCache
+
+    B, P = input_ids.shape
+    N = max_new_tokens
+    device = input_ids.device
+    attn = attention_mask.long()
+    responses = torch.full((B, N), pad_token_id, dtype=torch.long, device=device)
+    resp_attn = torch.zeros((B, N), dtype=torch.long, device=device)
+    finished = torch.zeros(B, dtype=torch.bool, device=device)
+    config = getattr(_unwrap(model), "config", None)
+    cache = DynamicCache(config=config) if config is not None else DynamicCache()
+    cache_kw = _cache_kwarg(model)
+
+    was_training = model.training
+    model.eval()
+    try:
+        out = model(input_ids=input_ids, attention_mask=attn, position_ids=position_ids_from_mask(attn),
+                    use_cache=True, **{cache_kw: cache})
+        next_pos = attn.sum(-1, keepdim=True)  # (B, 1): position of the first response token
+        for step in range(N):
+            token = sample_next(out.logits[:, -1, :], temperature, top_k, top_p, generator, greedy)
+            token = torch.where(finished, torch.full_like(token, pad_token_id), token)
+            responses[:, step] = token
+            resp_attn[:, step] = (~finished).long()
+            finished = finished | (token == eos_token_id)
+            if step == N - 1:
+                break
+            done = bool(finished.all())
+            if all_finished is not None:
+                done = bool(all_finished(done))
+            if done:
+                break
+            full_attn = torch.cat([attn, resp_attn[:, : step + 1]], dim=1)
+            out = model(input_ids=token[:, None], attention_mask=full_attn, position_ids=next_pos,
+                        use_cache=True, **{cache_kw: cache})
+            next_pos = next_pos + 1
+    finally:
+        model.train(was_training)
+
+    return Rollout(
+        sequences=torch.cat([input_ids, responses], dim=1),
+        attention_mask=torch.cat([attn, resp_attn], dim=1),
+        action_mask=resp_attn.float(),
+        ended_with_eos=(responses == eos_token_id).any(-1),
+    )
+
+
+def _action_logits(model, sequences: Tensor, attention_mask: Tensor, num_actions: int, temperature: float) -> Tensor:
+    """Logits that predicted the last ``num_actions`` tokens, fp32, divided by temperature: (B, N, V)."""
+    out = model(input_ids=sequences, attention_mask=attention_mask,
+                position_ids=position_ids_from_mask(attention_mask), use_cache=False)
+    # position t's logits predict token t+1: the N actions are predicted by positions -N-1 .. -2
+    return out.logits[:, -num_actions - 1 : -1, :].float() / temperature
+
+
+def action_logprobs(model, sequences: Tensor, attention_mask: Tensor, num_actions: int, temperature: float = 1.0) -> Tensor:
+    """log pi(a_t | prefix) of the last ``num_actions`` (N) tokens of ``sequences`` (B, L) -> (B, N).
+
+    One forward (with grad if enabled), positions from the attention mask. Logits are divided by
+    ``temperature`` so the numbers match the distribution ``generate`` sampled from (before
+    top-k / top-p). Values after a row's EOS are meaningless; mask them with the action mask.
+    The model's mode is left alone: PPO ratios need deterministic forwards, so turn dropout off
+    (``eval()`` or dropout 0 in the config; a fresh ``get_peft_model`` is in train mode).
+    """
+    logits = _action_logits(model, sequences, attention_mask, num_actions, temperature)
+    return logprobs_from_logits(logits, sequences[:, -num_actions:])
+
+
+def forward_actions(model, sequences: Tensor, attention_mask: Tensor, num_actions: int, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
+    """``action_logprobs`` plus the entropy of each action's distribution: ((B, N), (B, N))."""
+    logits = _action_logits(model, sequences, attention_mask, num_actions, temperature)
+    return logprobs_from_logits(logits, sequences[:, -num_actions:]), entropy_from_logits(logits)
