@@ -1,10 +1,19 @@
-"""PPO config: roles and their placement, the algorithm, generation, checkpoints."""
+"""PPO config: roles and their placement, the algorithm, generation, evaluation, checkpoints.
+
+Checks that need only the config (batch sizes dividing, whole GPUs) live in the validator; checks
+that need the environment (ColossalAI installed, GPUs in the Ray cluster) are in
+``tasks.ppo.group.check_cluster`` and ``tasks.ppo.train.check_ppo``, run before any actor starts.
+"""
 
 from __future__ import annotations
 
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+ROLES = ("actor", "critic", "initial", "reward")
+LEARNERS = ("actor", "critic")
+SHARDED = ("fsdp", "colossalai_zero2", "colossalai_gemini")
 
 
 class RoleConfig(BaseModel):
@@ -14,46 +23,86 @@ class RoleConfig(BaseModel):
 
     num_workers: int = Field(1, gt=0, description="Ray actors in the group (torch.distributed world size).")
     gpus_per_worker: float = Field(0.0, ge=0.0, description="GPUs per Ray actor; fractions (0.25) let roles share a GPU. 0 on CPU.")
-    cpus_per_worker: float = Field(0.5, ge=0.0, description="CPUs Ray reserves per actor.")
+    cpus_per_worker: float = Field(0.5, ge=0.0, description="CPUs Ray reserves per actor (also its torch thread count, at least 1).")
 
 
 class PPOConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    strategy: Literal["ddp", "fsdp", "colossalai_zero2", "colossalai_gemini"] = Field("ddp", description="How learner groups shard: DDP, torch FSDP2, or ColossalAI ZeRO-2 / Gemini (CUDA, ColossalAI installed).")
+    # -- roles and placement
+    strategy: Literal["ddp", "fsdp", "colossalai_zero2", "colossalai_gemini"] = Field("ddp", description="How the learner groups (actor, critic) shard: DDP, torch FSDP2, or ColossalAI ZeRO-2 / Gemini (CUDA, ColossalAI installed). Frozen roles keep a full copy per worker.")
     actor: RoleConfig = Field(default_factory=RoleConfig, description="Policy: generates and learns.")
     critic: RoleConfig = Field(default_factory=RoleConfig, description="Value model: learns.")
     initial: RoleConfig = Field(default_factory=RoleConfig, description="Frozen reference policy for the KL penalty.")
     reward: RoleConfig = Field(default_factory=RoleConfig, description="Frozen reward model.")
     placement: Literal["PACK", "SPREAD", "STRICT_SPREAD", "STRICT_PACK"] = Field("PACK", description="Ray placement-group strategy of each role's bundles (seed: STRICT_SPREAD across nodes).")
-    colocate: bool = Field(False, description="Put all roles' bundles in one placement group so they share GPUs (one-GPU machines).")
+    colocate: bool = Field(False, description="Put all roles' bundles in one placement group (bundle i = worker i of every role) so they share GPUs (one-GPU machines).")
 
-    num_iterations: int = Field(20, gt=0, description="Rollout + learn iterations.")
+    # -- the PPO loop
+    num_iterations: int = Field(30, gt=0, description="Rollout + learn iterations.")
     rollout_batch_size: int = Field(32, gt=0, description="Prompts per iteration (seed: experience_batch_size 8).")
-    train_batch_size: int = Field(16, gt=0, description="Minibatch of the PPO update; must divide rollout_batch_size.")
+    train_batch_size: int = Field(8, gt=0, description="Minibatch per learner worker of one optimizer step; actor/critic num_workers x train_batch_size must divide rollout_batch_size.")
     ppo_epochs: int = Field(2, gt=0, description="Passes over each rollout.")
-    actor_lr: float = Field(1e-3, gt=0.0, description="Actor (LoRA) learning rate (seed: 5e-6 for real models).")
-    critic_lr: float = Field(1e-3, gt=0.0, description="Critic learning rate.")
-    kl_coef: float = Field(0.1, ge=0.0, description="Initial KL penalty coefficient (seed 0.1).")
-    seed: int | None = Field(None, description="Overrides the pipeline seed for PPO.")
+    actor_lr: float = Field(5e-4, gt=0.0, description="Actor (LoRA) learning rate (tuned for the built-in model; seed: 5e-6 for real models).")
+    critic_lr: float = Field(1e-3, gt=0.0, description="Critic (full-parameter) learning rate.")
+    max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient norm clip of both learners.")
+    eps_clip: float = Field(0.2, gt=0.0, description="PPO ratio clip (seed 0.2).")
+    value_clip: float | None = Field(0.4, gt=0.0, description="Value clip around the rollout's values (seed 0.4); None: unclipped.")
+    gamma: float = Field(1.0, ge=0.0, le=1.0, description="Discount of GAE.")
+    lam: float = Field(0.95, ge=0.0, le=1.0, description="GAE lambda (1.0 with gamma 1.0 gives the seed's reward - value).")
+    whiten_advantages: bool = Field(True, description="Whiten advantages over the rollout batch.")
+    missing_eos_penalty: float | None = Field(None, ge=0.0, description="Subtract this from the score of responses that never emit EOS; None: off.")
+    ptx_coef: float = Field(0.0, ge=0.0, description="Weight of the pretraining (ptx) LM loss on ptx_train (seed 0.9; off here: the built-in ptx text has random sentiment).")
+    ptx_batch_size: int = Field(8, gt=0, description="ptx sequences per optimizer step per actor worker.")
 
+    # -- KL penalty
+    kl_coef: float = Field(0.1, ge=0.0, description="Initial KL penalty coefficient (seed 0.1).")
+    kl_estimator: Literal["k1", "k3"] = Field("k1", description="Per-token KL estimate in the reward: k1 = logp - ref_logp, k3 = exp(-d) + d - 1 (>= 0).")
+    kl_controller: Literal["fixed", "adaptive"] = Field("fixed", description="Fixed kl_coef, or adaptive towards kl_target (Ziegler et al. 2019).")
+    kl_target: float = Field(1.0, gt=0.0, description="Adaptive controller: target KL per sequence.")
+    kl_horizon: int = Field(1000, gt=0, description="Adaptive controller: horizon in samples.")
+
+    # -- generation
     max_new_tokens: int = Field(16, gt=0, description="Tokens generated per response.")
-    temperature: float = Field(1.0, gt=0.0, description="Sampling temperature.")
-    top_k: int = Field(50, ge=0, description="Top-k sampling (0: off).")
+    temperature: float = Field(1.0, gt=0.0, description="Sampling temperature (log-probs use the same).")
+    top_k: int = Field(0, ge=0, description="Top-k sampling (0: off; seed 50). Off by default so the KL estimate is of the policy itself.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling (1.0: off).")
 
-    checkpoint_every: int = Field(5, gt=0, description="Write a checkpoint artifact every N iterations.")
-    device: str = Field("auto", description="'auto', 'cpu' or 'cuda' inside the role workers.")
+    # -- evaluation, checkpoints, logging
+    eval_every: int = Field(10, gt=0, description="Evaluate on prompts_eval every N iterations (and at start and end).")
+    eval_prompts: int | None = Field(None, gt=0, description="Evaluate on the first N eval prompts (None: all).")
+    eval_greedy: bool = Field(False, description="Greedy eval responses; off: sampled with a fixed seed (then the KL is an unbiased estimate).")
+    checkpoint_every: int = Field(10, gt=0, description="Publish a checkpoint artifact every N iterations.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="'auto': cuda for roles with gpus_per_worker > 0, else cpu.")
+    seed: int | None = Field(None, description="Overrides the pipeline seed for PPO.")
 
     @model_validator(mode="after")
-    def _check_batches(self):
-        if self.rollout_batch_size % self.train_batch_size:
-            raise ValueError(
-                f"ppo.train_batch_size ({self.train_batch_size}) must divide ppo.rollout_batch_size "
-                f"({self.rollout_batch_size}): pick e.g. train_batch_size={_divisor(self.rollout_batch_size, self.train_batch_size)}"
-            )
+    def _check(self):
+        for role in LEARNERS:
+            n = getattr(self, role).num_workers
+            if self.rollout_batch_size % (n * self.train_batch_size):
+                raise ValueError(
+                    f"ppo.rollout_batch_size ({self.rollout_batch_size}) must be divisible by ppo.{role}.num_workers x "
+                    f"ppo.train_batch_size ({n} x {self.train_batch_size} = {n * self.train_batch_size}) so that every "
+                    f"{role} rank runs the same number of optimizer steps: e.g. rollout_batch_size="
+                    f"{_multiple(self.rollout_batch_size, n * self.train_batch_size)}"
+                )
+        for role in ROLES:
+            g = getattr(self, role).gpus_per_worker
+            if g > 1 and g != int(g):
+                raise ValueError(f"ppo.{role}.gpus_per_worker ({g}): above 1 it must be a whole number of GPUs (Ray's rule)")
+        if self.device == "cuda" and not any(getattr(self, r).gpus_per_worker for r in ROLES):
+            raise ValueError("ppo.device 'cuda' but every role has gpus_per_worker 0: give roles GPUs (e.g. 0.25 each with colocate) or use device 'auto'")
         return self
 
+    def role(self, name: str) -> RoleConfig:
+        return getattr(self, name)
 
-def _divisor(n: int, near: int) -> int:
-    return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: abs(d - near))
+    @property
+    def num_chunks(self) -> int:
+        """Experience chunks per iteration: one per minibatch of train_batch_size."""
+        return self.rollout_batch_size // self.train_batch_size
+
+
+def _multiple(n: int, k: int) -> int:
+    return max(k, round(n / k) * k)

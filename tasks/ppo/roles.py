@@ -1,0 +1,298 @@
+"""The four PPO roles as Ray actor classes, and the experience maker they feed.
+
+Each class is a plain Python class with typed methods; ``RoleGroup`` turns it into Ray actors
+and the driver calls ``worker.method.remote(...)``. Tensors travel as ``Rollout`` /
+``Experience`` NamedTuples inside Ray object refs. Shapes: B rows, L = P + N tokens (left-padded
+prompt + N = max_new_tokens response columns).
+
+Learners run in eval mode: dropout (the SFT adapter's LoRA dropout) stays off, so log-probs at
+learning time match the rollout's (TRL disables dropout in PPO for the same reason).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from tasks.ppo.config import PPOConfig
+from tasks.ppo.group import DistributedWorker, agree_finished, full_state, load_full_state, wrap_learner
+
+
+class Experience(NamedTuple):
+    sequences: Tensor       # (B, L) long
+    attention_mask: Tensor  # (B, L) long
+    action_mask: Tensor     # (B, N) float
+    logprobs: Tensor        # (B, N) actor log-probs at rollout time
+    values: Tensor          # (B, N) critic values at rollout time
+    advantages: Tensor      # (B, N) (whitened over the rollout batch when configured)
+    returns: Tensor         # (B, N)
+
+
+def _chunks(rollout, n: int):
+    """Split a Rollout into ``n`` equal row chunks (each a Rollout)."""
+    size = rollout.sequences.shape[0] // n
+    return [type(rollout)(*(t[i * size:(i + 1) * size] for t in rollout)) for i in range(n)]
+
+
+def _rng_state(*generators: torch.Generator) -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
+             "generators": [g.get_state() for g in generators]}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict, *generators: torch.Generator) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(_as_tuple(state["python"]))
+    for g, s in zip(generators, state["generators"]):
+        g.set_state(s)
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _as_tuple(x):
+    return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+def _digest(weights: dict) -> float:
+    """A number that differs when any trainable weight differs (for cross-rank checks)."""
+    return float(sum((v.double() * (i + 1)).sum() for i, (_, v) in enumerate(sorted(weights.items()))))
+
+
+class _LearnerMixin:
+    """Shared by the two learners: optimizer step and state for checkpoints."""
+
+    def _step(self, loss: Tensor) -> None:
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.params, self.ppo.max_grad_norm)
+        self.optim.step()
+        self.optim.zero_grad(set_to_none=True)
+
+    def state(self) -> dict:
+        """{'weights', 'optim', 'rng'}: full trainable weights and optimizer state (rank 0's are
+        complete; collective for sharded strategies) and this rank's RNG states."""
+        weights, optim = full_state(self.model, self.optim)
+        return {"weights": weights if self.rank == 0 else None, "optim": optim if self.rank == 0 else None,
+                "rng": _rng_state(*self._generators())}
+
+    def load_state(self, weights: dict, optim: dict, rng: dict) -> None:
+        load_full_state(self.model, weights, self.optim, optim)
+        _set_rng_state(rng, *self._generators())
+
+    def local_digest(self) -> float:
+        """Digest of this rank's own copy of the trainable weights (DDP: a full replica)."""
+        return _digest({n: p.detach() for n, p in self.infer_model.named_parameters() if p.requires_grad})
+
+
+class PolicyWorker(_LearnerMixin, DistributedWorker):
+    """Actor: base model + SFT LoRA adapter (trainable); samples rollouts and learns with PPO."""
+
+    def load(self, model_cfg, store, sft_key: str, data_key: str, ppo: PPOConfig, pad_id: int, eos_id: int) -> None:
+        from peft import PeftModel
+
+        from tasks.common.model import load_causal_lm
+        from tasks.data.dataset import read_jsonl
+
+        self.ppo, self.pad_id, self.eos_id = ppo, pad_id, eos_id
+        base = load_causal_lm(model_cfg, self.device)
+        peft = PeftModel.from_pretrained(base, str(store.fetch(sft_key) / "adapter"), is_trainable=True).eval()
+        self.model, self.optim, self.infer_model = wrap_learner(peft, ppo.actor_lr, self.strategy, self.device)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.all_finished = agree_finished(self.strategy, self.device)
+        self.sample_gen = torch.Generator().manual_seed(self.seed * 7919 + self.rank)
+        self.learn_gen = torch.Generator().manual_seed(self.seed * 7919 + 101 + self.rank)
+        self.ptx = read_jsonl(store.fetch(data_key) / "ptx_train.jsonl") if ppo.ptx_coef > 0 else []
+
+    def _generators(self):
+        return self.sample_gen, self.learn_gen
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], split: int = 1, greedy: bool = False, seed: int | None = None):
+        """Responses to ``prompts`` (token ids), returned as ``split`` Rollout chunks (one Ray
+        return each). ``seed``: a fresh generator (evaluation) instead of the training one."""
+        from tasks.data.dataset import collate_prompts
+        from tasks.ppo.generation import generate
+
+        batch = collate_prompts([{"prompt_ids": p} for p in prompts], self.pad_id)
+        gen = self.sample_gen if seed is None else torch.Generator().manual_seed(seed + self.rank)
+        ro = generate(self.infer_model, batch["input_ids"].to(self.device), batch["attention_mask"].to(self.device),
+                      max_new_tokens=self.ppo.max_new_tokens, eos_token_id=self.eos_id, pad_token_id=self.pad_id,
+                      temperature=self.ppo.temperature, top_k=self.ppo.top_k, top_p=self.ppo.top_p,
+                      generator=gen, greedy=greedy, all_finished=self.all_finished)
+        ro = type(ro)(*(t.cpu() for t in ro))
+        return ro if split == 1 else tuple(_chunks(ro, split))
+
+    @torch.no_grad()
+    def logprobs(self, rollout) -> tuple[Tensor, Tensor]:
+        """(log-probs, entropy) of the rollout's actions under the current policy: (B, N) each."""
+        from tasks.ppo.generation import forward_actions
+
+        logp, ent = forward_actions(self.infer_model, rollout.sequences.to(self.device), rollout.attention_mask.to(self.device),
+                                    rollout.action_mask.shape[1], self.ppo.temperature)
+        return logp.cpu(), ent.cpu()
+
+    def learn(self, *experience: Experience) -> dict[str, float]:
+        """ppo_epochs passes over this rank's minibatches, one optimizer step each."""
+        from tasks.ppo.generation import action_logprobs
+        from tasks.ppo.losses import ppo_clip_loss
+
+        stats = {"policy_loss": 0.0, "clip_fraction": 0.0, "approx_kl": 0.0, "ptx_loss": 0.0}
+        steps = 0
+        for _ in range(self.ppo.ppo_epochs):
+            for i in torch.randperm(len(experience), generator=self.learn_gen).tolist():
+                e = Experience(*(t.to(self.device) for t in experience[i]))
+                logp = action_logprobs(self.model, e.sequences, e.attention_mask, e.action_mask.shape[1], self.ppo.temperature)
+                pl = ppo_clip_loss(logp, e.logprobs, e.advantages, e.action_mask, self.ppo.eps_clip)
+                loss = pl.loss
+                if self.ppo.ptx_coef > 0:
+                    ptx = self._ptx_loss()
+                    loss = loss + self.ppo.ptx_coef * ptx
+                    stats["ptx_loss"] += float(ptx.detach())
+                self._step(loss)
+                stats["policy_loss"] += float(pl.loss.detach())
+                stats["clip_fraction"] += float(pl.clip_fraction)
+                stats["approx_kl"] += float(pl.approx_kl)
+                steps += 1
+        return {k: v / steps for k, v in stats.items()}
+
+    def _ptx_loss(self) -> Tensor:
+        from tasks.data.dataset import collate_lm
+
+        idx = torch.randint(len(self.ptx), (self.ppo.ptx_batch_size,), generator=self.learn_gen).tolist()
+        b = {k: v.to(self.device) for k, v in collate_lm([self.ptx[i] for i in idx], self.pad_id).items()}
+        return self.model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], labels=b["labels"]).loss
+
+    def adapter_files(self) -> dict[str, bytes] | None:
+        """The adapter as ``save_pretrained`` writes it (rank 0; collective when sharded)."""
+        import tempfile
+        from pathlib import Path
+
+        weights, _ = full_state(self.model)
+        if self.rank != 0:
+            return None
+        with tempfile.TemporaryDirectory() as tmp:
+            self.infer_model.save_pretrained(tmp, state_dict=weights)
+            return {p.name: p.read_bytes() for p in Path(tmp).iterdir() if p.is_file()}
+
+
+class ReferenceWorker(DistributedWorker):
+    """Initial policy: base + the same SFT adapter, frozen; log-probs for the KL penalty."""
+
+    def load(self, model_cfg, store, sft_key: str, ppo: PPOConfig) -> None:
+        from peft import PeftModel
+
+        from tasks.common.model import load_causal_lm
+
+        self.ppo = ppo
+        base = load_causal_lm(model_cfg, self.device)
+        self.model = PeftModel.from_pretrained(base, str(store.fetch(sft_key) / "adapter")).eval().requires_grad_(False)
+
+    @torch.no_grad()
+    def logprobs(self, rollout) -> Tensor:
+        from tasks.ppo.generation import action_logprobs
+
+        return action_logprobs(self.model, rollout.sequences.to(self.device), rollout.attention_mask.to(self.device),
+                               rollout.action_mask.shape[1], self.ppo.temperature).cpu()
+
+
+class RewardWorker(DistributedWorker):
+    """Frozen reward model: one score per sequence."""
+
+    def load(self, store, rm_key: str) -> None:
+        from tasks.rm.model import load_reward_model
+
+        self.model = load_reward_model(str(store.fetch(rm_key)), device=self.device).eval().requires_grad_(False)
+
+    @torch.no_grad()
+    def score(self, rollout) -> Tensor:
+        # the reward model reads the last non-pad token and takes positions from the mask,
+        # so left-padded rollouts score as the right-padded pairs it was trained on
+        return self.model(rollout.sequences.to(self.device), rollout.attention_mask.to(self.device)).float().cpu()
+
+
+class _Values(torch.nn.Module):
+    """The critic's forward: per-token values of the reward model's head, so DDP/FSDP hook it."""
+
+    def __init__(self, rm):
+        super().__init__()
+        self.rm = rm
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, num_actions: int) -> Tensor:
+        # values[t] estimates the return after token t; the state before action a_t is t-1
+        return self.rm.values(input_ids, attention_mask)[:, -num_actions - 1:-1].float()
+
+
+class CriticWorker(_LearnerMixin, DistributedWorker):
+    """Value model initialised from the reward model (full parameters); learns the returns."""
+
+    def load(self, store, rm_key: str, ppo: PPOConfig) -> None:
+        from tasks.rm.model import load_reward_model
+
+        self.ppo = ppo
+        rm = load_reward_model(str(store.fetch(rm_key)), device=self.device).eval()
+        rm.requires_grad_(True)
+        self.model, self.optim, self.infer_model = wrap_learner(_Values(rm), ppo.critic_lr, self.strategy, self.device)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.learn_gen = torch.Generator().manual_seed(self.seed * 7919 + 202 + self.rank)
+
+    def _generators(self):
+        return (self.learn_gen,)
+
+    @torch.no_grad()
+    def values(self, rollout) -> Tensor:
+        return self.infer_model(rollout.sequences.to(self.device), rollout.attention_mask.to(self.device),
+                                rollout.action_mask.shape[1]).cpu()
+
+    def learn(self, *experience: Experience) -> dict[str, float]:
+        from tasks.ppo.losses import value_loss
+
+        loss_sum, clip_sum, steps = 0.0, 0.0, 0
+        for _ in range(self.ppo.ppo_epochs):
+            for i in torch.randperm(len(experience), generator=self.learn_gen).tolist():
+                e = Experience(*(t.to(self.device) for t in experience[i]))
+                v = self.model(e.sequences, e.attention_mask, e.action_mask.shape[1])
+                vl = value_loss(v, e.values, e.returns, e.action_mask, self.ppo.value_clip)
+                self._step(vl.loss)
+                loss_sum, clip_sum, steps = loss_sum + float(vl.loss.detach()), clip_sum + float(vl.clip_fraction), steps + 1
+        return {"value_loss": loss_sum / steps, "value_clip_fraction": clip_sum / steps}
+
+
+def make_experience(ppo: PPOConfig, kl_coef: float, n: int, *parts) -> tuple:
+    """Rewards, GAE and advantages for ``n`` chunks; runs as a Ray task (not on the driver).
+
+    ``parts``: n rollouts, n (logp, entropy), n reference log-probs, n values, n scores — Ray
+    resolves them because they are top-level arguments. Returns n Experience + a stats dict.
+    """
+    from tasks.ppo.losses import apply_missing_eos_penalty, gae, kl_k1, kl_k3, masked_mean, masked_whiten, token_rewards
+
+    rollouts, policy, ref, values, scores = (parts[i * n:(i + 1) * n] for i in range(5))
+    kl_fn = kl_k1 if ppo.kl_estimator == "k1" else kl_k3
+    advs, rets, kls, ents = [], [], [], []
+    for ro, (logp, ent), ref_logp, v, score in zip(rollouts, policy, ref, values, scores):
+        mask = ro.action_mask
+        kl = kl_fn(logp, ref_logp)
+        if ppo.missing_eos_penalty is not None:
+            score = apply_missing_eos_penalty(score, ro.ended_with_eos, ppo.missing_eos_penalty)
+        adv, ret = gae(token_rewards(score, kl, mask, kl_coef), v, mask, ppo.gamma, ppo.lam)
+        advs.append(adv), rets.append(ret), kls.append(masked_mean(kl, mask, dim=1) * mask.sum(1)), ents.append(ent)
+    masks = torch.cat([ro.action_mask for ro in rollouts])
+    adv_all = torch.cat(advs)
+    if ppo.whiten_advantages:
+        adv_all = masked_whiten(adv_all, masks)
+    adv_chunks = adv_all.split([a.shape[0] for a in advs])
+    exps = tuple(Experience(ro.sequences, ro.attention_mask, ro.action_mask, logp, v, a, r)
+                 for ro, (logp, _), v, a, r in zip(rollouts, policy, values, adv_chunks, rets))
+    score_all = torch.cat(scores)
+    stats = {
+        "reward_mean": float(score_all.mean()), "reward_std": float(score_all.std()),
+        "kl": float(torch.cat(kls).mean()), "entropy": float(masked_mean(torch.cat(ents), masks)),
+        "response_length": float(masks.sum(1).mean()),
+        "eos_fraction": float(torch.cat([ro.ended_with_eos for ro in rollouts]).float().mean()),
+        "value_mean": float(masked_mean(torch.cat(values), masks)),
+        "return_mean": float(masked_mean(torch.cat(rets), masks)),
+    }
+    return (*exps, stats)

@@ -1,0 +1,292 @@
+"""The PPO stage: four Ray actor groups (actor, critic, initial, reward) driven by one loop.
+
+``train_ppo`` knows nothing of Prefect. The driver only samples prompts and moves object refs:
+rollouts go from the actor workers straight to the other roles, experience is made in a Ray
+task, and each learner rank receives its share of experience refs (``refs[i::n]``). Every
+``checkpoint_every`` iterations a checkpoint artifact is published; a new run with the same key
+resumes from the newest one. See tasks/ppo/checkpoint.py for what they hold.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Callable
+
+import torch
+
+from storage.keys import code_version, stage_key
+from storage.store import ArtifactRef, ArtifactStore
+from tasks.common.builtin import score_response
+from tasks.common.model import ModelConfig, check_model_exists, load_tokenizer
+from tasks.data.dataset import read_jsonl
+from tasks.ppo.checkpoint import latest_checkpoint, load_checkpoint, publish_final, save_checkpoint
+from tasks.ppo.config import LEARNERS, ROLES, PPOConfig
+from tasks.ppo.group import RoleGroup, check_cluster, create_placement_groups, role_device
+
+log = logging.getLogger("rlhf.ppo")
+EVAL_SEED = 20240601
+METRICS = ("reward_mean", "reward_std", "kl", "entropy", "policy_loss", "value_loss", "clip_fraction", "response_length")
+
+
+def ppo_key(cfg: PPOConfig, model: ModelConfig, data: ArtifactRef, sft: ArtifactRef, rm: ArtifactRef, seed: int) -> str:
+    return stage_key("ppo", {"ppo": cfg, "model": model.identity(), "seed": _seed(cfg, seed)},
+                     {"data": data, "sft": sft, "rm": rm}, code_version("tasks.ppo", "tasks.common"))
+
+
+def _seed(cfg: PPOConfig, seed: int) -> int:
+    return cfg.seed if cfg.seed is not None else seed
+
+
+def check_ppo(cfg: PPOConfig) -> None:
+    """What the config alone cannot know: is the strategy's library here, does it have CUDA."""
+    if cfg.strategy.startswith("colossalai"):
+        try:
+            import colossalai  # noqa: F401
+        except Exception as e:  # ImportError, or a broken install failing on its own imports
+            raise ValueError(
+                f"ppo.strategy {cfg.strategy!r} needs ColossalAI: pip install --no-deps colossalai==0.5.0 einops "
+                f"contexttimer (CUDA only); or use ppo.strategy 'ddp' / 'fsdp' ({type(e).__name__}: {e})"
+            ) from None
+        if not all(cfg.role(r).gpus_per_worker > 0 for r in LEARNERS) or cfg.device == "cpu":
+            raise ValueError(
+                f"ppo.strategy {cfg.strategy!r} needs CUDA (ColossalAI's LowLevelZero and Gemini plugins do not run on "
+                "CPU): give ppo.actor and ppo.critic gpus_per_worker > 0, or use ppo.strategy 'ddp' / 'fsdp' on CPU"
+            )
+
+
+class PromptSampler:
+    """Epochs of seeded permutations over the prompt indices; its position is its whole state."""
+
+    def __init__(self, n: int, seed: int, epoch: int = 0, offset: int = 0):
+        self.n, self.seed, self.epoch, self.offset = n, seed, epoch, offset
+
+    def _perm(self) -> list[int]:
+        return torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)).tolist()
+
+    def next(self, k: int) -> list[int]:
+        out = []
+        while len(out) < k:
+            take = self._perm()[self.offset:self.offset + k - len(out)]
+            out += take
+            self.offset += len(take)
+            if self.offset >= self.n:
+                self.epoch, self.offset = self.epoch + 1, 0
+        return out
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "offset": self.offset}
+
+
+def train_ppo(cfg: PPOConfig, model: ModelConfig, store: ArtifactStore, data: ArtifactRef, sft: ArtifactRef,
+              rm: ArtifactRef, seed: int, on_iteration: Callable[[int, dict], None] | None = None) -> ArtifactRef:
+    """PPO of the SFT policy against the reward model; returns the ``ppo_actor`` artifact.
+
+    ``on_iteration(it, metrics)`` is called after each iteration (and its checkpoint); an
+    exception from it stops the run like a crash would (tests use it to interrupt).
+    """
+    import ray
+
+    key = ppo_key(cfg, model, data, sft, rm, seed)
+    if store.exists(key):
+        return store.ref(key)
+    seed = _seed(cfg, seed)
+    check_ppo(cfg)
+    check_model_exists(model)
+    data_dir = store.fetch(data.key)
+    tokenizer = load_tokenizer(model, str(data_dir / "tokenizer"))
+    prompts = [r["prompt_ids"] for r in read_jsonl(data_dir / "prompts_train.jsonl")]
+    evals = [r["prompt_ids"] for r in read_jsonl(data_dir / "prompts_eval.jsonl")][: cfg.eval_prompts]
+    if len(evals) < cfg.actor.num_workers:
+        raise ValueError(f"prompts_eval has {len(evals)} prompts (ppo.eval_prompts {cfg.eval_prompts}) but ppo.actor.num_workers is "
+                         f"{cfg.actor.num_workers}: every actor worker needs one; raise ppo.eval_prompts or data.eval_fraction")
+    if cfg.ptx_coef > 0 and not read_jsonl(data_dir / "ptx_train.jsonl"):
+        raise ValueError(f"ppo.ptx_coef ({cfg.ptx_coef}) > 0 but the dataset's ptx_train.jsonl is empty: set data.ptx_path or ppo.ptx_coef 0")
+    if not ray.is_initialized():
+        ray.init(address=os.environ.get("RAY_ADDRESS"))
+    check_cluster(cfg)
+
+    inputs = {"data": data, "sft": sft, "rm": rm}
+    config = {"ppo": cfg.model_dump(mode="json"), "model": model.identity(), "seed": seed}
+    pgs, groups = create_placement_groups(cfg), {}
+    try:
+        groups = start_roles(cfg, model, store, data, sft, rm, seed, tokenizer, pgs)
+        run = PPORun(cfg, groups, tokenizer, evals, model.is_builtin)
+        sampler = PromptSampler(len(prompts), seed)
+        kl_ctl = _kl_controller(cfg)
+        history: list[dict] = []
+        start = 0
+        if (ckpt := latest_checkpoint(store, key)) is not None:
+            states, driver = load_checkpoint(store, ckpt, {r: cfg.role(r).num_workers for r in LEARNERS})
+            ray.get([w.load_state.remote(**s) for r in LEARNERS for w, s in zip(groups[r].workers, states[r])])
+            start, history = driver["iteration"], driver["history"]
+            sampler = PromptSampler(len(prompts), seed, **driver["sampler"])
+            kl_ctl.load_state_dict(driver["kl"])
+            log.info("ppo resumed from %s at iteration %d", ckpt, start)
+        else:
+            history.append(run.evaluate(0))
+        for it in range(start + 1, cfg.num_iterations + 1):
+            metrics = run.iteration(it, [prompts[i] for i in sampler.next(cfg.rollout_batch_size)], kl_ctl)
+            history.append(metrics)
+            if it % cfg.eval_every == 0 or it == cfg.num_iterations:
+                history.append(run.evaluate(it))
+            if it % cfg.checkpoint_every == 0 and it < cfg.num_iterations:
+                states = {r: ray.get([w.state.remote() for w in groups[r].workers]) for r in LEARNERS}
+                driver = {"sampler": sampler.state_dict(), "kl": kl_ctl.state_dict(), "history": history}
+                save_checkpoint(store, key, it, states, driver, config, inputs)
+            if on_iteration is not None:
+                on_iteration(it, metrics)
+        adapter = ray.get([w.adapter_files.remote() for w in groups["actor"].workers])[0]
+        ref = publish_final(store, key, adapter, data_dir / "tokenizer", history, _summary(history), config, inputs)
+        log.info("ppo: published %s", ref.uri)
+        return ref
+    finally:
+        stop_roles(groups, pgs)
+
+
+def _kl_controller(cfg: PPOConfig):
+    from tasks.ppo.losses import AdaptiveKLController, FixedKLController
+
+    if cfg.kl_controller == "adaptive":
+        return AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon)
+    return FixedKLController(cfg.kl_coef)
+
+
+def start_roles(cfg, model, store, data, sft, rm, seed, tokenizer, pgs) -> dict[str, RoleGroup]:
+    import ray
+
+    from tasks.ppo.roles import CriticWorker, PolicyWorker, ReferenceWorker, RewardWorker
+
+    classes = {"actor": PolicyWorker, "critic": CriticWorker, "initial": ReferenceWorker, "reward": RewardWorker}
+    groups = {r: RoleGroup(r, classes[r], cfg.role(r), pgs[r], cfg.strategy, seed, role_device(cfg, r)) for r in ROLES}
+    ray.get([ref for g in groups.values() for ref in g.connect()])
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    loads = [w.load.remote(model, store, sft.key, data.key, cfg, pad, eos) for w in groups["actor"].workers]
+    loads += [w.load.remote(model, store, sft.key, cfg) for w in groups["initial"].workers]
+    loads += [w.load.remote(store, rm.key) for w in groups["reward"].workers]
+    loads += [w.load.remote(store, rm.key, cfg) for w in groups["critic"].workers]
+    ray.get(loads)
+    return groups
+
+
+def stop_roles(groups: dict[str, RoleGroup], pgs: dict) -> None:
+    from ray.util.placement_group import remove_placement_group
+
+    for g in groups.values():
+        g.kill()
+    for pg in {id(p): p for p in pgs.values()}.values():
+        remove_placement_group(pg)
+
+
+class PPORun:
+    """One PPO run's loop body and evaluation over its role groups."""
+
+    def __init__(self, cfg: PPOConfig, groups: dict[str, RoleGroup], tokenizer, evals: list, builtin: bool):
+        import ray
+
+        from tasks.ppo.roles import make_experience
+
+        self.cfg, self.g, self.tok, self.evals, self.builtin = cfg, groups, tokenizer, evals, builtin
+        # num_cpus=0: the roles' placement groups may hold every CPU; this short task must not wait
+        self.make_experience = ray.remote(make_experience)
+
+    def _score(self, rollouts: list) -> tuple[list, list, list]:
+        """(policy (logp, entropy), reference logp, reward score) refs, chunk j to worker j % n."""
+        g = self.g
+        return ([g["actor"].deal(j).logprobs.remote(r) for j, r in enumerate(rollouts)],
+                [g["initial"].deal(j).logprobs.remote(r) for j, r in enumerate(rollouts)],
+                [g["reward"].deal(j).score.remote(r) for j, r in enumerate(rollouts)])
+
+    def iteration(self, it: int, prompts: list[list[int]], kl_ctl) -> dict:
+        import ray
+
+        cfg, g = self.cfg, self.g
+        actor, critic = g["actor"], g["critic"]
+        t0 = time.perf_counter()
+        # 1. prompts were sampled by the caller (seeded sampler, position checkpointed)
+        # 2. deal them to the actor workers; each returns its share as minibatch-sized rollout chunks
+        per = cfg.rollout_batch_size // len(actor)
+        k = per // cfg.train_batch_size
+        rollouts = []
+        for i, w in enumerate(actor.workers):
+            out = w.generate.options(num_returns=k).remote(prompts[i * per:(i + 1) * per], k)
+            rollouts += [out] if k == 1 else list(out)
+        # 3. the rollout refs go straight to the other roles (top-level args: Ray resolves them there)
+        policy, ref, score = self._score(rollouts)
+        values = [critic.deal(j).values.remote(r) for j, r in enumerate(rollouts)]
+        ray.wait(rollouts, num_returns=len(rollouts), fetch_local=False)
+        t_gen = time.perf_counter()
+        # 4. rewards, GAE, whitened advantages: in a Ray task, not on the driver
+        n = len(rollouts)
+        *exps, stats_ref = self.make_experience.options(num_cpus=0, num_returns=n + 1).remote(
+            cfg, kl_ctl.value, n, *rollouts, *policy, *ref, *values, *score)
+        stats = ray.get(stats_ref)
+        t_score = time.perf_counter()
+        # 5. deal experience round-robin to the learner ranks; actor and critic learn in parallel
+        a = [w.learn.remote(*exps[i::len(actor)]) for i, w in enumerate(actor.workers)]
+        c = [w.learn.remote(*exps[i::len(critic)]) for i, w in enumerate(critic.workers)]
+        a_stats, c_stats = ray.get(a), ray.get(c)
+        t_learn = time.perf_counter()
+        # 6. KL controller, on the per-sequence KL of this rollout
+        kl_coef = kl_ctl.value
+        kl_ctl.update(stats["kl"], cfg.rollout_batch_size)
+        # 7. metrics
+        learn = {k: sum(s[k] for s in a_stats) / len(a_stats) for k in a_stats[0]}
+        learn.update({k: sum(s[k] for s in c_stats) / len(c_stats) for k in c_stats[0]})
+        m = {"iteration": it, **{f"ppo/{k}": v for k, v in {**stats, **learn}.items()}, "ppo/kl_coef": kl_coef,
+             "time/generate_s": t_gen - t0, "time/score_s": t_score - t_gen, "time/learn_s": t_learn - t_score,
+             "time/iteration_s": t_learn - t0}
+        log.info("ppo %d/%d reward %.3f±%.3f kl %.3f entropy %.2f policy_loss %.4f value_loss %.4f clip %.3f len %.1f "
+                 "| gen %.2fs score %.2fs learn %.2fs", it, cfg.num_iterations, m["ppo/reward_mean"], m["ppo/reward_std"],
+                 m["ppo/kl"], m["ppo/entropy"], m["ppo/policy_loss"], m["ppo/value_loss"], m["ppo/clip_fraction"],
+                 m["ppo/response_length"], *(m[f"time/{p}_s"] for p in ("generate", "score", "learn")))
+        return m
+
+    def evaluate(self, it: int) -> dict:
+        """Mean RM score, KL to the initial policy (summed k1 per response) and, for the built-in
+        task, the ground-truth score, on prompts_eval; sampling from a fixed seed (or greedy)."""
+        import ray
+
+        t0 = time.perf_counter()
+        actor = self.g["actor"]
+        n = len(actor)
+        parts = [self.evals[i::n] for i in range(n)]
+        rollouts = [w.generate.remote(p, 1, self.cfg.eval_greedy, EVAL_SEED) for w, p in zip(actor.workers, parts)]
+        policy, ref, score = self._score(rollouts)
+        rollouts, policy, ref, score = ray.get(rollouts), ray.get(policy), ray.get(ref), ray.get(score)
+        mask = torch.cat([r.action_mask for r in rollouts])
+        kl = torch.cat([((lp - rl) * r.action_mask).sum(1) for r, (lp, _), rl in zip(rollouts, policy, ref)])
+        m = {"iteration": it, "eval/rm_score": float(torch.cat(score).mean()), "eval/kl": float(kl.mean()),
+             "eval/response_length": float(mask.sum(1).mean())}
+        if self.builtin:
+            texts = self.responses(rollouts)
+            m["eval/true_score"] = sum(map(score_response, texts)) / len(texts)
+            m["eval/sample"] = texts[0]
+        m["time/eval_s"] = time.perf_counter() - t0
+        log.info("ppo eval @%d: rm_score %.3f true_score %s kl %.3f | %r", it, m["eval/rm_score"],
+                 f"{m['eval/true_score']:.3f}" if self.builtin else "-", m["eval/kl"], m.get("eval/sample", ""))
+        return m
+
+    def responses(self, rollouts) -> list[str]:
+        out = []
+        for r in rollouts:
+            n = r.action_mask.shape[1]
+            for seq, mask in zip(r.sequences[:, -n:], r.action_mask.bool()):
+                out.append(self.tok.decode(seq[mask].tolist(), skip_special_tokens=True))
+        return out
+
+
+def _summary(history: list[dict]) -> dict:
+    evals = [h for h in history if "eval/rm_score" in h]
+    steps = [h for h in history if "ppo/reward_mean" in h]
+    out = {}
+    for k in ("eval/rm_score", "eval/true_score", "eval/kl"):
+        if evals and k in evals[0]:
+            out[f"{k}_before"], out[f"{k}_after"] = evals[0][k], evals[-1][k]
+    if steps:
+        out.update({k: v for k, v in steps[-1].items() if k.startswith("ppo/")})
+        for p in ("generate", "score", "learn", "iteration"):
+            out[f"time/{p}_s_mean"] = sum(h[f"time/{p}_s"] for h in steps) / len(steps)
+        out["iterations"] = steps[-1]["iteration"]
+    return out

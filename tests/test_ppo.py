@@ -1,0 +1,247 @@
+"""PPO on Ray with the real stages: data prep -> SFT -> reward model built once per module.
+
+Real Ray actors, real torch.distributed (gloo), real training; nothing mocked. Thresholds were
+measured on the 2-core CPU machine (numbers in the test docstrings) and carry a margin.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from storage import ArtifactStore
+from tasks.common.model import ModelConfig, load_causal_lm, load_tokenizer
+from tasks.data.config import DataConfig
+from tasks.data.dataset import read_jsonl
+from tasks.data.prepare import prepare_data
+from tasks.ppo.checkpoint import latest_checkpoint
+from tasks.ppo.config import PPOConfig
+from tasks.ppo.group import create_placement_groups
+from tasks.ppo.losses import FixedKLController
+from tasks.ppo.train import PPORun, PromptSampler, ppo_key, start_roles, stop_roles, train_ppo
+from tasks.rm.config import RewardConfig
+from tasks.rm.train import train_reward_model
+from tasks.sft.config import SFTConfig
+from tasks.sft.train import train_sft
+
+SEED = 42
+MODEL = ModelConfig()
+
+
+@pytest.fixture(scope="module")
+def stages(rlhf_cache, ray_cluster, tmp_path_factory):
+    """(store root path, store, data, sft, rm refs) from the real stage functions."""
+    root = tmp_path_factory.mktemp("ppo-store")
+    store = ArtifactStore(f"file://{root}")
+    t = time.perf_counter()
+    data = prepare_data(DataConfig(), MODEL, store, SEED)
+    sft = train_sft(SFTConfig(), MODEL, store, data, SEED)
+    rm = train_reward_model(RewardConfig(), MODEL, store, data, SEED)
+    print(f"\nstages built in {time.perf_counter() - t:.1f}s")
+    return root, store, data, sft, rm
+
+
+def copy_store(stages, tmp_path) -> ArtifactStore:
+    """A second store holding the same input artifacts (so a PPO run there has the same key)."""
+    root = tmp_path / "store"
+    shutil.copytree(stages[0], root, ignore=shutil.ignore_patterns("ppo"))
+    return ArtifactStore(f"file://{root}")
+
+
+def history(store: ArtifactStore, key: str) -> list[dict]:
+    path = store.fetch(key) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def adapter_weights(store: ArtifactStore, key: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(store.fetch(key) / "adapter" / "adapter_model.safetensors"))
+
+
+# -- config and pre-flight errors ------------------------------------------------------------------
+def test_config_errors_name_field_value_and_fix():
+    with pytest.raises(ValidationError, match=r"actor.num_workers x ppo.train_batch_size \(3 x 8 = 24\).*rollout_batch_size=24"):
+        PPOConfig(rollout_batch_size=32, train_batch_size=8, actor={"num_workers": 3})
+    with pytest.raises(ValidationError, match=r"ppo.critic.num_workers x ppo.train_batch_size \(2 x 12"):
+        PPOConfig(rollout_batch_size=36, train_batch_size=12, critic={"num_workers": 2})
+    with pytest.raises(ValidationError, match=r"gpus_per_worker \(1.5\).*whole number"):
+        PPOConfig(actor={"gpus_per_worker": 1.5})
+    PPOConfig(rollout_batch_size=32, train_batch_size=8, actor={"num_workers": 2}, critic={"num_workers": 4})
+
+
+def test_prompt_sampler_position_is_its_state():
+    a = PromptSampler(10, seed=3)
+    first = [a.next(4) for _ in range(2)]
+    b = PromptSampler(10, seed=3, **a.state_dict())
+    assert a.next(7) == b.next(7)
+    assert sorted(first[0] + first[1] + PromptSampler(10, 3, 0, 8).next(2)) == list(range(10))
+
+
+@pytest.mark.parametrize("override, message", [
+    ({"strategy": "colossalai_zero2"}, r"ppo.strategy 'colossalai_zero2' needs ColossalAI: pip install --no-deps colossalai==0.5.0"),
+    ({"actor": {"gpus_per_worker": 1.0}}, r"ppo roles ask for 1 GPUs .* the Ray cluster has 0"),
+    ({"colocate": True, **{r: {"gpus_per_worker": 0.25} for r in ("actor", "critic", "initial", "reward")}},
+     r"ppo roles ask for 1 GPUs"),
+    ({"actor": {"cpus_per_worker": 9.0}}, r"ask for 10.5 CPUs .* has 8"),
+])
+def test_errors_before_any_actor_starts(stages, ray_cluster, override, message):
+    _, store, data, sft, rm = stages
+    ray = ray_cluster
+    pgs_before = len(ray.util.placement_group_table())
+    t = time.perf_counter()
+    with pytest.raises(ValueError, match=message):
+        train_ppo(PPOConfig(**override), MODEL, store, data, sft, rm, SEED)
+    assert time.perf_counter() - t < 10  # no model was loaded, no actor started
+    assert len(ray.util.placement_group_table()) == pgs_before
+    assert ray.available_resources().get("CPU") == ray.cluster_resources()["CPU"]
+
+
+# -- learning --------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_ppo_raises_reward_and_true_score_with_bounded_kl(stages):
+    """The embedded default config. Measured (2 cores): eval rm score 0.22 -> 8.28, true score
+    -0.13 -> 0.93, eval KL 2.9 nats per response, ~0.6 s per iteration (30 iterations)."""
+    _, store, data, sft, rm = stages
+    cfg = PPOConfig()
+    t = time.perf_counter()
+    ref = train_ppo(cfg, MODEL, store, data, sft, rm, SEED)
+    wall = time.perf_counter() - t
+    m = store.manifest(ref.key)["metrics"]
+    print(f"\nppo default: {wall:.1f}s wall; rm {m['eval/rm_score_before']:.3f} -> {m['eval/rm_score_after']:.3f}, "
+          f"true {m['eval/true_score_before']:.3f} -> {m['eval/true_score_after']:.3f}, kl -> {m['eval/kl_after']:.3f}, "
+          f"per iteration gen {m['time/generate_s_mean']:.3f}s score {m['time/score_s_mean']:.3f}s learn {m['time/learn_s_mean']:.3f}s")
+    assert ref.kind == "ppo_actor"
+    assert m["eval/rm_score_after"] > m["eval/rm_score_before"] + 3.0
+    assert m["eval/true_score_after"] > m["eval/true_score_before"] + 0.4
+    assert 0.0 < m["eval/kl_after"] < 8.0
+    assert m["eval/kl_before"] == pytest.approx(0.0, abs=1e-4)  # the policy starts as the initial model
+    steps = [h for h in history(store, ref.key) if "ppo/reward_mean" in h]
+    assert [h["iteration"] for h in steps] == list(range(1, cfg.num_iterations + 1))
+    for k in ("reward_mean", "reward_std", "kl", "entropy", "policy_loss", "value_loss", "clip_fraction",
+              "response_length", "kl_coef"):
+        assert all(torch.isfinite(torch.tensor(h[f"ppo/{k}"])) for h in steps), k
+    assert train_ppo(cfg, MODEL, store, data, sft, rm, SEED) == ref  # published: found again, not retrained
+
+    # the adapter loads on the base model and moved away from the SFT adapter
+    from peft import PeftModel
+
+    tok = load_tokenizer(MODEL, str(store.fetch(data.key) / "tokenizer"))
+    ids = tok(["Human: Describe the river.\nAssistant:"], return_tensors="pt").input_ids
+    logits = {}
+    for name, r in (("sft", sft), ("ppo", ref)):
+        model = PeftModel.from_pretrained(load_causal_lm(MODEL), str(store.fetch(r.key) / "adapter")).eval()
+        with torch.no_grad():
+            logits[name] = model(input_ids=ids).logits
+    assert not torch.allclose(logits["sft"], logits["ppo"], atol=1e-3)
+
+
+# -- distribution ----------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_two_ddp_workers_per_learner_stay_identical(stages):
+    """actor x2 and critic x2 (gloo DDP), all roles colocated in one placement group."""
+    import ray
+
+    _, store, data, sft, rm = stages
+    cfg = PPOConfig(rollout_batch_size=16, train_batch_size=4, actor={"num_workers": 2}, critic={"num_workers": 2},
+                    colocate=True)
+    tok = load_tokenizer(MODEL, str(store.fetch(data.key) / "tokenizer"))
+    prompts = [r["prompt_ids"] for r in read_jsonl(store.fetch(data.key) / "prompts_train.jsonl")]
+    pgs = create_placement_groups(cfg)
+    groups = {}
+    try:
+        assert len({id(p) for p in pgs.values()}) == 1
+        table = ray.util.placement_group_table(pgs["actor"])
+        assert table["bundles"] == {0: {"CPU": 2.0}, 1: {"CPU": 1.0}}  # worker 0 of 4 roles; worker 1 of actor, critic
+        groups = start_roles(cfg, MODEL, store, data, sft, rm, SEED, tok, pgs)
+        digests = {r: ray.get([w.local_digest.remote() for w in groups[r].workers]) for r in ("actor", "critic")}
+        run = PPORun(cfg, groups, tok, [], builtin=True)
+        kl = FixedKLController(cfg.kl_coef)
+        sampler = PromptSampler(len(prompts), SEED)
+        for it in (1, 2):
+            m = run.iteration(it, [prompts[i] for i in sampler.next(cfg.rollout_batch_size)], kl)
+        after = {r: ray.get([w.local_digest.remote() for w in groups[r].workers]) for r in ("actor", "critic")}
+        print(f"\ndigests before {digests} after {after}; last metrics {m}")
+        for r in ("actor", "critic"):
+            assert after[r][0] == after[r][1], f"{r} ranks diverged"
+            assert after[r][0] != digests[r][0], f"{r} did not learn"
+    finally:
+        stop_roles(groups, pgs)
+
+
+@pytest.mark.slow
+def test_fsdp_matches_ddp_on_two_workers(stages, tmp_path):
+    """FSDP2 runs on CPU/gloo (ranks agree on when generation stops, so no collective hangs)
+    and follows the same trajectory as DDP from the same seed; ptx loss and k3 KL switched on."""
+    _, _, data, sft, rm = stages
+    runs = {}
+    for strategy in ("ddp", "fsdp"):
+        store = copy_store(stages, tmp_path / strategy)
+        cfg = PPOConfig(strategy=strategy, num_iterations=2, rollout_batch_size=16, train_batch_size=4,
+                        actor={"num_workers": 2}, critic={"num_workers": 2}, eval_prompts=9,
+                        ptx_coef=0.5, ptx_batch_size=4, kl_estimator="k3", missing_eos_penalty=1.0)
+        ref = train_ppo(cfg, MODEL, store, data, sft, rm, SEED)
+        runs[strategy] = (history(store, ref.key), adapter_weights(store, ref.key))
+        from peft import PeftModel
+
+        PeftModel.from_pretrained(load_causal_lm(MODEL), str(store.fetch(ref.key) / "adapter"))
+    (hd, wd), (hf, wf) = runs["ddp"], runs["fsdp"]
+    diff = max(float((wd[k] - wf[k]).abs().max()) for k in wd)
+    print(f"\nddp vs fsdp: max adapter diff {diff:.2e}; last ddp {hd[-2]} fsdp {hf[-2]}")
+    assert wd.keys() == wf.keys() and diff < 1e-4
+    assert hf[-2]["ppo/ptx_loss"] > 0
+    for a, b in zip(hd, hf):
+        for k, v in a.items():
+            if k.startswith(("ppo/", "eval/")) and isinstance(v, float):
+                assert b[k] == pytest.approx(v, rel=1e-3, abs=1e-4), (a["iteration"], k)
+
+
+# -- checkpoints -----------------------------------------------------------------------------------
+class Interrupted(RuntimeError):
+    pass
+
+
+@pytest.mark.slow
+def test_resume_after_interruption_equals_uninterrupted_run(stages, tmp_path):
+    _, _, data, sft, rm = stages
+    cfg = PPOConfig(num_iterations=4, checkpoint_every=2, eval_every=2, rollout_batch_size=16, train_batch_size=8,
+                    kl_controller="adaptive", kl_target=2.0, kl_horizon=100)
+    whole = copy_store(stages, tmp_path / "a")
+    ref_a = train_ppo(cfg, MODEL, whole, data, sft, rm, SEED)
+
+    def stop_at_2(it, metrics):
+        if it == 2:
+            raise Interrupted(f"stopped after iteration {it}")
+
+    broken = copy_store(stages, tmp_path / "b")
+    key = ppo_key(cfg, MODEL, data, sft, rm, SEED)
+    with pytest.raises(Interrupted):
+        train_ppo(cfg, MODEL, broken, data, sft, rm, SEED, on_iteration=stop_at_2)
+    assert not broken.exists(key)
+    assert latest_checkpoint(broken, key) == f"{key}-ckpt/iter-000002"
+    ckpt = broken.fetch(latest_checkpoint(broken, key))
+    torch.load(ckpt / "actor" / "optimizer.pt", weights_only=True)
+    seen = []
+    ref_b = train_ppo(cfg, MODEL, broken, data, sft, rm, SEED, on_iteration=lambda it, m: seen.append(it))
+    assert seen == [3, 4]  # resumed at exactly iteration 2
+    assert ref_a.key == ref_b.key
+
+    wa, wb = adapter_weights(whole, ref_a.key), adapter_weights(broken, ref_b.key)
+    assert wa.keys() == wb.keys()
+    diff = max(float((wa[k] - wb[k]).abs().max()) for k in wa)
+    ha, hb = history(whole, ref_a.key), history(broken, ref_b.key)
+    print(f"\nresume: max adapter diff {diff:.2e}; kl_coef {[h.get('ppo/kl_coef') for h in ha]}")
+    assert diff < 1e-5
+    assert len(ha) == len(hb)
+    for a, b in zip(ha, hb):
+        for k, v in a.items():
+            if k.startswith(("ppo/", "eval/")) and isinstance(v, float):
+                assert b[k] == pytest.approx(v, rel=1e-4, abs=1e-5), (a["iteration"], k)
+    # the adaptive controller moved and was restored
+    coefs = [h["ppo/kl_coef"] for h in hb if "ppo/kl_coef" in h]
+    assert len(set(coefs)) == 4
