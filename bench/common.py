@@ -1,0 +1,115 @@
+"""Shared pieces of the benchmarks: random-weight Llama shapes, FLOP counts, timers, peaks.
+
+Weights are random (throughput does not depend on them); the shapes are Llama-style so that the
+numbers carry over to real checkpoints of the same size.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from contextlib import contextmanager
+
+import torch
+
+# name -> LlamaConfig kwargs. "0.4b" is the issue's 374M shape.
+SHAPES = {
+    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4),
+    "0.4b": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=16),
+    "1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=18, num_attention_heads=16, num_key_value_heads=16),
+}
+VOCAB = 32000
+H200_BF16_DENSE_TFLOPS = 989.0  # datasheet, dense (no sparsity)
+
+
+def llama_config(shape: str, max_len: int = 512):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=VOCAB, max_position_embeddings=max_len, pad_token_id=0, bos_token_id=1,
+                       eos_token_id=2, tie_word_embeddings=False, attn_implementation="sdpa", **SHAPES[shape])
+
+
+def build_policy(shape: str, device: str, dtype=torch.float32, seed: int = 0):
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        return LlamaForCausalLM(llama_config(shape)).to(dtype)
+
+
+def build_scalar_model(shape: str, device: str, dtype=torch.float32, seed: int = 1):
+    """Value / reward model: the same backbone with a 1-output head (HF's sequence classifier)."""
+    from transformers import LlamaForSequenceClassification
+
+    torch.manual_seed(seed)
+    cfg = llama_config(shape)
+    cfg.num_labels = 1
+    with torch.device(device):
+        return LlamaForSequenceClassification(cfg).to(dtype)
+
+
+def n_params(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def train_flops(cfg, tokens: int, seq_len: int, head_tokens: int, head_out: int) -> float:
+    """Forward + backward FLOPs (PaLM appendix B): 6 N T for the matmuls of the blocks,
+    12 * layers * d * L per token for attention (no causal discount), and 6 * d * head_out per
+    token that goes through the output head (only response positions do)."""
+    d, L = cfg.hidden_size, cfg.num_hidden_layers
+    kv = cfg.num_key_value_heads * (d // cfg.num_attention_heads)
+    block = L * (2 * d * d + 2 * d * kv + 3 * d * cfg.intermediate_size)
+    return 6 * block * tokens + 12 * L * d * seq_len * tokens + 6 * d * head_out * head_tokens
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+@contextmanager
+def timed(out: dict, key: str):
+    sync()
+    t = time.perf_counter()
+    yield
+    sync()
+    out[key] = time.perf_counter() - t
+
+
+def reset_peak():
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_gib() -> float:
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+
+
+def machine() -> dict:
+    import transformers
+
+    info = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def matmul_tflops(n: int = 8192, reps: int = 10) -> float:
+    """Measured bf16 matmul rate on random data (the practical ceiling next to the datasheet's)."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    sync()
+    t = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    sync()
+    return 2 * n**3 * reps / (time.perf_counter() - t) / 1e12
+
+
+def write_json(path: str, data: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2, sort_keys=True)

@@ -1,0 +1,101 @@
+"""TRL's PPO trainer (trl 1.12, ``trl.experimental.ppo``; later releases dropped it) on the same
+shape, batch and lengths as bench/ppo_iteration.py, for the side-by-side samples/s.
+
+    python bench/trl_ppo.py --shape 0.4b --batch 64 --prompt-len 128 --new-tokens 128 --iters 3 --out trl.json
+
+One PPO epoch over one minibatch of the whole rollout (as ours); policy / ref / value / reward of
+the same Llama shape, fp32 weights with bf16 autocast (``bf16=True``). Iteration times come from
+``on_step_end``; the first iteration is warm-up and is not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.common import VOCAB, build_policy, build_scalar_model, machine, peak_gib, reset_peak, write_json  # noqa: E402
+
+
+def word_tokenizer():
+    """A 32000-word tokenizer built offline (TRL needs a tokenizer for padding and ids)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w3"))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="w0", bos_token="w1", eos_token="w2", unk_token="w3")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="0.4b")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl.experimental.ppo import PPOConfig, PPOTrainer
+    import trl
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    policy = build_policy(a.shape, device)
+    ref = copy.deepcopy(policy)
+    value = build_scalar_model(a.shape, device, seed=1)
+    reward = build_scalar_model(a.shape, device, seed=2)
+    g = torch.Generator().manual_seed(0)
+    n_rows = a.batch * (a.iters + 1)
+    ids = torch.randint(4, VOCAB, (n_rows, a.prompt_len), generator=g).tolist()
+    import pyarrow as pa
+
+    # a fingerprint given up front: datasets' default one pickles pyarrow types, which fails with
+    # some dill / pyarrow pairs
+    data = Dataset(pa.table({"input_ids": ids}), fingerprint="bench-prompts")
+
+    stamps: list[float] = []
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            torch.cuda.synchronize() if device == "cuda" else None
+            stamps.append(time.perf_counter())
+
+    cfg = PPOConfig(
+        output_dir=tempfile.mkdtemp(), per_device_train_batch_size=a.batch, gradient_accumulation_steps=1,
+        num_mini_batches=1, num_ppo_epochs=1, local_rollout_forward_batch_size=a.batch,
+        response_length=a.new_tokens, total_episodes=n_rows, bf16=device == "cuda", report_to=[],
+        save_strategy="no", num_sample_generations=0, logging_steps=10_000, stop_token=None,
+        missing_eos_penalty=None, temperature=1.0, learning_rate=1e-6, dataloader_drop_last=True,
+        use_cpu=device == "cpu", seed=0,
+    )
+    trainer = PPOTrainer(args=cfg, processing_class=word_tokenizer(), model=policy, ref_model=ref,
+                         reward_model=reward, train_dataset=data, value_model=value, callbacks=[Clock()])
+    reset_peak()
+    t0 = time.perf_counter()
+    trainer.train()
+    steps = [t - s for s, t in zip([t0] + stamps[:-1], stamps)]
+    timed = steps[1:] or steps
+    per_iter = sorted(timed)[len(timed) // 2]
+    res = {
+        "machine": machine(), "trl": trl.__version__, "shape": a.shape, "batch": a.batch,
+        "prompt_len": a.prompt_len, "new_tokens": a.new_tokens, "iter_s_all": steps,
+        "iter_s_median": per_iter, "samples_per_s": a.batch / per_iter,
+        "new_tokens_per_s_end_to_end": a.batch * a.new_tokens / per_iter, "peak_gib": peak_gib(),
+    }
+    print(f"TRL PPO {a.shape} B={a.batch} {a.prompt_len}+{a.new_tokens}: {per_iter:.2f} s/iter, "
+          f"{res['samples_per_s']:.2f} samples/s, peak {res['peak_gib']:.1f} GiB (iters {[round(s, 2) for s in steps]})")
+    if a.out:
+        write_json(a.out, res)
+
+
+if __name__ == "__main__":
+    main()
