@@ -80,7 +80,8 @@ class PromptSampler:
 
 
 def train_ppo(cfg: PPOConfig, model: ModelConfig, store: ArtifactStore, data: ArtifactRef, sft: ArtifactRef,
-              rm: ArtifactRef, seed: int, on_iteration: Callable[[int, dict], None] | None = None) -> ArtifactRef:
+              rm: ArtifactRef, seed: int, on_iteration: Callable[[int, dict], None] | None = None,
+              *, force: bool = False) -> ArtifactRef:
     """PPO of the SFT policy against the reward model; returns the ``ppo_actor`` artifact.
 
     ``on_iteration(it, metrics)`` is called after each iteration (and its checkpoint); an
@@ -89,7 +90,7 @@ def train_ppo(cfg: PPOConfig, model: ModelConfig, store: ArtifactStore, data: Ar
     import ray
 
     key = ppo_key(cfg, model, data, sft, rm, seed)
-    if store.exists(key):
+    if store.exists(key) and not force:
         return store.ref(key)
     seed = _seed(cfg, seed)
     check_ppo(cfg)
@@ -117,7 +118,7 @@ def train_ppo(cfg: PPOConfig, model: ModelConfig, store: ArtifactStore, data: Ar
         kl_ctl = _kl_controller(cfg)
         history: list[dict] = []
         start = 0
-        if (ckpt := latest_checkpoint(store, key)) is not None:
+        if not force and (ckpt := latest_checkpoint(store, key)) is not None:
             states, driver = load_checkpoint(store, ckpt, {r: cfg.role(r).num_workers for r in LEARNERS})
             ray.get([w.load_state.remote(**s) for r in LEARNERS for w, s in zip(groups[r].workers, states[r])])
             start, history = driver["iteration"], driver["history"]

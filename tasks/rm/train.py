@@ -35,7 +35,8 @@ def rm_key(cfg: RewardConfig, model: ModelConfig, data: ArtifactRef, seed: int) 
                      {"data": data}, code_version("tasks.rm", "tasks.sft.loop", "tasks.sft.lora", "tasks.common"))
 
 
-def train_reward_model(cfg: RewardConfig, model: ModelConfig, store: ArtifactStore, data: ArtifactRef, seed: int) -> ArtifactRef:
+def train_reward_model(cfg: RewardConfig, model: ModelConfig, store: ArtifactStore, data: ArtifactRef, seed: int,
+                       *, force: bool = False) -> ArtifactRef:
     """Train a sequence scorer on ``data``'s ``pref_train`` pairs and publish it; returns its ref.
 
     An artifact already complete at the key is returned as it is.
@@ -43,7 +44,7 @@ def train_reward_model(cfg: RewardConfig, model: ModelConfig, store: ArtifactSto
     if data.kind != "dataset":
         raise ValueError(f"train_reward_model data {data.uri!r} is a {data.kind!r} artifact: pass the ref prepare_data returned (kind 'dataset')")
     key = rm_key(cfg, model, data, seed)
-    if store.exists(key):
+    if store.exists(key) and not force:
         logger.info("rm: %s already published, reusing it", store.uri_of(key))
         return store.ref(key)
     targets = _check_inputs(cfg, model, store, data)

@@ -49,7 +49,7 @@ def partial_key(key: str) -> str:
 
 
 def train_sft(cfg: SFTConfig, model: ModelConfig, store: ArtifactStore, data: ArtifactRef, seed: int,
-              *, stop_after: int | None = None) -> ArtifactRef:
+              *, stop_after: int | None = None, force: bool = False) -> ArtifactRef:
     """Train a LoRA adapter on ``data``'s ``sft_train`` split and publish it; returns its ref.
 
     An artifact already complete at the key is returned as it is. ``stop_after`` ends the run
@@ -61,7 +61,7 @@ def train_sft(cfg: SFTConfig, model: ModelConfig, store: ArtifactStore, data: Ar
     if data.kind != "dataset":
         raise ValueError(f"train_sft data {data.uri!r} is a {data.kind!r} artifact: pass the ref prepare_data returned (kind 'dataset')")
     key = sft_key(cfg, model, data, seed)
-    if store.exists(key):
+    if store.exists(key) and not force:
         logger.info("sft: %s already published, reusing it", store.uri_of(key))
         return store.ref(key)
     targets = _check_inputs(cfg, model, store, data)

@@ -1,0 +1,92 @@
+"""``rlhf``: run the pipeline, print the config, serve the deployment.
+
+    rlhf run [--config FILE.yaml] [--set key=value ...] [--refresh STAGE ...]
+    rlhf config [--config FILE.yaml] [--set ...]     # the resolved config as YAML
+    rlhf serve [--cron "0 3 * * 0"] [--config ...]   # deployment rlhf/full, served from this process
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+
+import yaml
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rlhf", description="data prep -> PEFT LoRA SFT -> reward model -> PPO on Ray, as the Prefect flow `rlhf`.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    for name, helptext in (("run", "run the pipeline now (local Prefect server and local Ray unless configured)"),
+                           ("config", "print the resolved config as YAML"),
+                           ("serve", "serve deployment rlhf/full (optionally on a cron schedule) from this process")):
+        s = sub.add_parser(name, help=helptext)
+        s.add_argument("--config", help="YAML file with any of the sections seed, store, ray, model, data, sft, rm, ppo, resources")
+        s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one value, e.g. --set sft.lr=1e-4 (repeatable)")
+        s.add_argument("--refresh", action="append", default=[], metavar="STAGE", help="rebuild this stage even if cached (data, sft, rm, ppo, all)")
+        if name == "serve":
+            s.add_argument("--cron", help="cron schedule for retraining, e.g. '0 3 * * 0'")
+    return p
+
+
+def _load(args):
+    from flows.config import load_config
+
+    overrides = list(args.set)
+    if args.refresh:
+        overrides.append("refresh=" + json.dumps(args.refresh))
+    return load_config(args.config, overrides)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from flows.config import ConfigError
+
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("rlhf").setLevel(logging.INFO)
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # local Ray without a token file
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        cfg = _load(args)
+        if args.cmd == "config":
+            print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+            return 0
+        from flows.preflight import preflight
+
+        preflight(cfg)
+    except ConfigError as e:
+        print(f"rlhf: {e}", file=sys.stderr)
+        return 2
+    from flows.runtime import LocalPrefectServer
+
+    # The server first: Prefect reads PREFECT_API_URL when it is imported.
+    with LocalPrefectServer() as server:
+        if server.api:
+            print(f"rlhf: local Prefect server at {server.api} (set PREFECT_API_URL to use your own)")
+        from flows.rlhf import rlhf
+
+        if args.cmd == "serve":
+            rlhf.serve(name="full", parameters={"config": cfg.model_dump(mode="json")}, cron=args.cron)
+            return 0
+        return _run(rlhf, cfg)
+
+
+def _run(rlhf, cfg) -> int:
+    from prefect.logging.handlers import APILogWorker
+
+    t0 = time.time()
+    try:
+        refs = rlhf(cfg)
+    finally:
+        APILogWorker.drain_all(timeout=5)  # before the local server stops
+    print(f"\nrlhf: done in {time.time() - t0:.1f}s")
+    for stage, ref in refs.items():
+        print(f"  {stage:5s} {ref.kind:14s} {ref.uri}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,216 @@
+"""The ``rlhf`` flow: data prep -> PEFT LoRA SFT -> reward model -> PPO on Ray.
+
+Each stage is a plain function in ``tasks/``; the Prefect tasks below only add what Prefect is
+for: retries with backoff, a cross-run cache, Ray resources, and a published Prefect artifact.
+
+Caching: a stage's Prefect cache key is its artifact key (``storage.keys.stage_key``: its own
+config, its code version, the content hashes of its inputs), so an unchanged stage is skipped
+in a new run and a change upstream re-runs exactly the stages downstream of it. A cache hit is
+trusted only if the artifact is still in the store and passes its checksums; otherwise the key
+changes and the stage rebuilds. Each stage function also returns an artifact that is already
+published at its key, so the store alone is enough to resume (a lost Prefect database costs
+nothing but the cache lookups).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import uuid
+from pathlib import Path
+
+from prefect import flow, get_run_logger, task
+
+from flows.config import PipelineConfig, StageResources, validate_config
+from storage.store import ArtifactCorrupt, ArtifactRef, ArtifactStore
+
+log = logging.getLogger("rlhf.flow")
+
+
+def open_store(cfg: PipelineConfig) -> ArtifactStore:
+    return ArtifactStore(cfg.store.resolved_uri(), cfg.store.storage_options)
+
+
+def artifact_is_good(store: ArtifactStore, key: str) -> bool:
+    """Published, every file present and matching its sha256."""
+    if not store.exists(key):
+        return False
+    try:
+        store.verify(key)
+        return True
+    except (ArtifactCorrupt, FileNotFoundError) as e:
+        log.warning("artifact %s failed its check and will be rebuilt: %s", store.uri_of(key), e)
+        return False
+
+
+def stage_cache_key(stage: str):
+    """A Prefect cache_key_fn: the stage's artifact key while that artifact is good."""
+
+    def key_fn(context, parameters) -> str | None:
+        cfg = validate_config(parameters["cfg"])
+        store = open_store(cfg)
+        key = expected_key(stage, cfg, parameters)
+        if not artifact_is_good(store, key):
+            return f"rlhf-rebuild-{uuid.uuid4().hex}"  # a miss: never reuse a missing/corrupt artifact
+        # Prefect stores cache records by this name: hash it (URIs hold '/' and ':')
+        return "rlhf-" + hashlib.sha256(f"{cfg.store.resolved_uri()}|{key}".encode()).hexdigest()[:40]
+
+    return key_fn
+
+
+def expected_key(stage: str, cfg: PipelineConfig, p: dict) -> str:
+    if stage == "data":
+        from tasks.data.prepare import data_key
+
+        return data_key(cfg.data, cfg.model, cfg.seed)
+    if stage == "sft":
+        from tasks.sft.train import sft_key
+
+        return sft_key(cfg.sft, cfg.model, p["data"], cfg.seed)
+    if stage == "rm":
+        from tasks.rm.train import rm_key
+
+        return rm_key(cfg.rm, cfg.model, p["data"], cfg.seed)
+    from tasks.ppo.train import ppo_key
+
+    return ppo_key(cfg.ppo, cfg.model, p["data"], p["sft"], p["rm"], cfg.seed)
+
+
+def publish_prefect_artifact(stage: str, store: ArtifactStore, ref: ArtifactRef) -> None:
+    """A markdown card per stage: where the artifact is and its metrics (PPO: reward/KL per iteration)."""
+    from prefect.artifacts import create_markdown_artifact
+
+    m = store.manifest(ref.key)
+    rows = "\n".join(f"| `{k}` | {_fmt(v)} |" for k, v in sorted(m["metrics"].items()) if not isinstance(v, (list, dict)))
+    md = f"## {stage}: `{ref.kind}`\n\nURI: `{ref.uri}`\n\ncontent hash: `{ref.content_hash[:16]}`\n\n| metric | value |\n|---|---|\n{rows}\n"
+    if stage == "ppo":
+        md += _ppo_table(store, ref)
+    create_markdown_artifact(key=f"rlhf-{stage}", markdown=md, description=f"{stage} artifact {ref.uri}")
+
+
+def _ppo_table(store: ArtifactStore, ref: ArtifactRef) -> str:
+    import json
+
+    path = store.fetch(ref.key) / "metrics.jsonl"
+    lines = ["\n### per iteration\n", "| iteration | reward mean | KL | policy loss | eval RM score | eval true score |", "|---|---|---|---|---|---|"]
+    for rec in (json.loads(x) for x in path.read_text().splitlines() if x.strip()):
+        lines.append(f"| {rec.get('iteration', '')} | {_fmt(rec.get('ppo/reward_mean'))} | {_fmt(rec.get('ppo/kl'))} | "
+                     f"{_fmt(rec.get('ppo/policy_loss'))} | {_fmt(rec.get('eval/rm_score'))} | {_fmt(rec.get('eval/true_score'))} |")
+    return "\n".join(lines) + "\n"
+
+
+def _fmt(v) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else ("" if v is None else str(v))
+
+
+def _inject_fault(stage: str) -> None:
+    """Fault injection for tests and drills: RLHF_FAIL_ONCE='<stage>:<marker path>' fails that stage
+    once (the marker records that it did), so a retry or a rerun can show that it recovers."""
+    spec = os.environ.get("RLHF_FAIL_ONCE", "")
+    if spec.partition(":")[0] == stage:
+        marker = Path(spec.partition(":")[2])
+        if not marker.exists():
+            marker.write_text("failed once")
+            raise RuntimeError(f"injected fault in stage {stage!r} (RLHF_FAIL_ONCE)")
+
+
+def _run_stage(stage: str, fn, cfg: PipelineConfig, *inputs: ArtifactRef) -> ArtifactRef:
+    cfg = validate_config(cfg)
+    _inject_fault(stage)
+    store = open_store(cfg)
+    force = stage in cfg.refresh or "all" in cfg.refresh
+    ref = fn(cfg, store, *inputs, force=force)
+    get_run_logger().info("%s -> %s", stage, ref.uri)
+    publish_prefect_artifact(stage, store, ref)
+    return ref
+
+
+# -- the four stage tasks: thin wrappers over tasks/*.py -------------------------------------
+def _data(cfg, store, force):
+    from tasks.data.prepare import prepare_data
+
+    return prepare_data(cfg.data, cfg.model, store, cfg.seed, force=force)
+
+
+def _sft(cfg, store, data, force):
+    from tasks.sft.train import train_sft
+
+    return train_sft(cfg.sft, cfg.model, store, data, cfg.seed, force=force)
+
+
+def _rm(cfg, store, data, force):
+    from tasks.rm.train import train_reward_model
+
+    return train_reward_model(cfg.rm, cfg.model, store, data, cfg.seed, force=force)
+
+
+def _ppo(cfg, store, data, sft, rm, force):
+    from tasks.ppo.train import train_ppo
+
+    return train_ppo(cfg.ppo, cfg.model, store, data, sft, rm, cfg.seed, force=force)
+
+
+_TASK_OPTS = dict(persist_result=True, cache_expiration=None, log_prints=True)
+
+
+@task(name="data", cache_key_fn=stage_cache_key("data"), **_TASK_OPTS)
+def data_task(cfg: PipelineConfig) -> ArtifactRef:
+    return _run_stage("data", _data, cfg)
+
+
+@task(name="sft", cache_key_fn=stage_cache_key("sft"), **_TASK_OPTS)
+def sft_task(cfg: PipelineConfig, data: ArtifactRef) -> ArtifactRef:
+    return _run_stage("sft", _sft, cfg, data)
+
+
+@task(name="rm", cache_key_fn=stage_cache_key("rm"), **_TASK_OPTS)
+def rm_task(cfg: PipelineConfig, data: ArtifactRef) -> ArtifactRef:
+    return _run_stage("rm", _rm, cfg, data)
+
+
+@task(name="ppo", cache_key_fn=stage_cache_key("ppo"), **_TASK_OPTS)
+def ppo_task(cfg: PipelineConfig, data: ArtifactRef, sft: ArtifactRef, rm: ArtifactRef) -> ArtifactRef:
+    return _run_stage("ppo", _ppo, cfg, data, sft, rm)
+
+
+def with_stage_options(t, stage: str, cfg: PipelineConfig):
+    """Retries with exponential backoff and refresh, from the config of this run."""
+    r: StageResources = cfg.resources[stage]
+    opts = dict(retries=r.retries, retry_delay_seconds=[r.retry_delay_s * 2**i for i in range(max(r.retries, 1))])
+    if stage in cfg.refresh or "all" in cfg.refresh:
+        opts["refresh_cache"] = True
+    return t.with_options(**opts)
+
+
+def submit(t, stage: str, cfg: PipelineConfig, *args):
+    from prefect_ray.context import remote_options
+
+    r = cfg.resources[stage]
+    ray_opts = {"num_cpus": r.num_cpus}
+    if r.num_gpus:
+        ray_opts["num_gpus"] = r.num_gpus
+    if r.resources:
+        ray_opts["resources"] = dict(r.resources)
+    with remote_options(**ray_opts):
+        return with_stage_options(t, stage, cfg).submit(cfg, *args)
+
+
+@flow(name="rlhf-stages")
+def rlhf_stages(cfg: PipelineConfig) -> dict[str, ArtifactRef]:
+    data = submit(data_task, "data", cfg)
+    sft = submit(sft_task, "sft", cfg, data)
+    rm = submit(rm_task, "rm", cfg, data)  # independent of SFT: Ray runs them side by side
+    ppo = submit(ppo_task, "ppo", cfg, data, sft, rm)
+    return {"data": data.result(), "sft": sft.result(), "rm": rm.result(), "ppo": ppo.result()}
+
+
+@flow(name="rlhf", log_prints=True)
+def rlhf(config: PipelineConfig = PipelineConfig()) -> dict[str, ArtifactRef]:
+    """data prep -> PEFT LoRA SFT -> reward model -> PPO on Ray; returns the artifact refs."""
+    from flows.preflight import preflight
+    from flows.runtime import ray_task_runner
+
+    cfg = validate_config(config)
+    preflight(cfg)  # every config/data/cluster error before any model loads
+    return rlhf_stages.with_options(task_runner=ray_task_runner(cfg.ray))(cfg)
