@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import uuid
 from pathlib import Path
 
 from prefect import flow, get_run_logger, task
@@ -45,15 +44,17 @@ def artifact_is_good(store: ArtifactStore, key: str) -> bool:
 
 
 def stage_cache_key(stage: str):
-    """A Prefect cache_key_fn: the stage's artifact key while that artifact is good."""
+    """A Prefect cache_key_fn: the stage's artifact key (content-derived), in the store's namespace.
 
-    def key_fn(context, parameters) -> str | None:
+    Whether a cached result may be used is decided before submitting (``submit_stage``): a stage
+    whose artifact is missing or fails its checksums is submitted with ``refresh_cache``.
+    """
+
+    def key_fn(context, parameters) -> str:
         cfg = validate_config(parameters["cfg"])
-        store = open_store(cfg)
-        key = expected_key(stage, cfg, parameters)
-        if not artifact_is_good(store, key):
-            return f"rlhf-rebuild-{uuid.uuid4().hex}"  # a miss: never reuse a missing/corrupt artifact
-        # Prefect stores cache records by this name: hash it (URIs hold '/' and ':')
+        inputs = {k: v for k, v in parameters.items() if k != "cfg"}
+        key = expected_key(stage, cfg, inputs)
+        # Prefect stores cache records under this name: hash it (URIs hold '/' and ':')
         return "rlhf-" + hashlib.sha256(f"{cfg.store.resolved_uri()}|{key}".encode()).hexdigest()[:40]
 
     return key_fn
@@ -115,12 +116,14 @@ def _inject_fault(stage: str) -> None:
             raise RuntimeError(f"injected fault in stage {stage!r} (RLHF_FAIL_ONCE)")
 
 
-def _run_stage(stage: str, fn, cfg: PipelineConfig, *inputs: ArtifactRef) -> ArtifactRef:
+def _run_stage(stage: str, fn, cfg: PipelineConfig, **inputs: ArtifactRef) -> ArtifactRef:
     cfg = validate_config(cfg)
     _inject_fault(stage)
     store = open_store(cfg)
-    force = stage in cfg.refresh or "all" in cfg.refresh
-    ref = fn(cfg, store, *inputs, force=force)
+    key = expected_key(stage, cfg, inputs)
+    # rebuild on request, or when what is published at the key fails its checksums
+    force = stage in cfg.refresh or "all" in cfg.refresh or (store.exists(key) and not artifact_is_good(store, key))
+    ref = fn(cfg, store, *inputs.values(), force=force)
     get_run_logger().info("%s -> %s", stage, ref.uri)
     publish_prefect_artifact(stage, store, ref)
     return ref
@@ -161,48 +164,42 @@ def data_task(cfg: PipelineConfig) -> ArtifactRef:
 
 @task(name="sft", cache_key_fn=stage_cache_key("sft"), **_TASK_OPTS)
 def sft_task(cfg: PipelineConfig, data: ArtifactRef) -> ArtifactRef:
-    return _run_stage("sft", _sft, cfg, data)
+    return _run_stage("sft", _sft, cfg, data=data)
 
 
 @task(name="rm", cache_key_fn=stage_cache_key("rm"), **_TASK_OPTS)
 def rm_task(cfg: PipelineConfig, data: ArtifactRef) -> ArtifactRef:
-    return _run_stage("rm", _rm, cfg, data)
+    return _run_stage("rm", _rm, cfg, data=data)
 
 
 @task(name="ppo", cache_key_fn=stage_cache_key("ppo"), **_TASK_OPTS)
 def ppo_task(cfg: PipelineConfig, data: ArtifactRef, sft: ArtifactRef, rm: ArtifactRef) -> ArtifactRef:
-    return _run_stage("ppo", _ppo, cfg, data, sft, rm)
+    return _run_stage("ppo", _ppo, cfg, data=data, sft=sft, rm=rm)
 
 
-def with_stage_options(t, stage: str, cfg: PipelineConfig):
-    """Retries with exponential backoff and refresh, from the config of this run."""
-    r: StageResources = cfg.resources[stage]
-    opts = dict(retries=r.retries, retry_delay_seconds=[r.retry_delay_s * 2**i for i in range(max(r.retries, 1))])
-    if stage in cfg.refresh or "all" in cfg.refresh:
-        opts["refresh_cache"] = True
-    return t.with_options(**opts)
-
-
-def submit(t, stage: str, cfg: PipelineConfig, *args):
+def submit_stage(t, stage: str, cfg: PipelineConfig, store: ArtifactStore, **inputs):
+    """Submit one stage's task to Ray with its resources, retries (exponential backoff) and cache rule."""
     from prefect_ray.context import remote_options
 
-    r = cfg.resources[stage]
-    ray_opts = {"num_cpus": r.num_cpus}
-    if r.num_gpus:
-        ray_opts["num_gpus"] = r.num_gpus
-    if r.resources:
-        ray_opts["resources"] = dict(r.resources)
+    r: StageResources = cfg.resources[stage]
+    stale = not artifact_is_good(store, expected_key(stage, cfg, inputs))  # never reuse what is not there whole
+    opts = dict(retries=r.retries, retry_delay_seconds=[r.retry_delay_s * 2**i for i in range(max(r.retries, 1))],
+                refresh_cache=stale or stage in cfg.refresh or "all" in cfg.refresh)
+    ray_opts = {"num_cpus": r.num_cpus, **({"num_gpus": r.num_gpus} if r.num_gpus else {}),
+                **({"resources": dict(r.resources)} if r.resources else {})}
     with remote_options(**ray_opts):
-        return with_stage_options(t, stage, cfg).submit(cfg, *args)
+        return t.with_options(**opts).submit(cfg, **inputs)
 
 
 @flow(name="rlhf-stages")
 def rlhf_stages(cfg: PipelineConfig) -> dict[str, ArtifactRef]:
-    data = submit(data_task, "data", cfg)
-    sft = submit(sft_task, "sft", cfg, data)
-    rm = submit(rm_task, "rm", cfg, data)  # independent of SFT: Ray runs them side by side
-    ppo = submit(ppo_task, "ppo", cfg, data, sft, rm)
-    return {"data": data.result(), "sft": sft.result(), "rm": rm.result(), "ppo": ppo.result()}
+    store = open_store(cfg)
+    data = submit_stage(data_task, "data", cfg, store).result()
+    sft = submit_stage(sft_task, "sft", cfg, store, data=data)
+    rm = submit_stage(rm_task, "rm", cfg, store, data=data)  # independent of SFT: Ray runs them side by side
+    sft, rm = sft.result(), rm.result()
+    ppo = submit_stage(ppo_task, "ppo", cfg, store, data=data, sft=sft, rm=rm).result()
+    return {"data": data, "sft": sft, "rm": rm, "ppo": ppo}
 
 
 @flow(name="rlhf", log_prints=True)

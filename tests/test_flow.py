@@ -1,0 +1,152 @@
+"""The flow on a real Prefect server and real Ray: runs, cross-run cache, partial invalidation,
+retries, refresh, and deployment rlhf/full run by a process worker.
+
+Every run is the user's own command (`rlhf run`, `prefect deployment run`) in a subprocess, so
+each gets a fresh local Ray that inherits PREFECT_API_URL; task-run states are read back from
+the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from storage.store import ArtifactStore
+
+pytestmark = pytest.mark.slow
+BIN = Path(sys.executable).parent
+REPO = Path(__file__).resolve().parents[1]
+SMALL = ["sft.max_steps=30", "rm.max_steps=20", "ppo.num_iterations=3", "ppo.rollout_batch_size=16",
+         "ppo.train_batch_size=8", "ppo.checkpoint_every=2", "ppo.eval_every=3"]
+
+
+def rlhf_run(store_uri: str, *extra: str, env: dict | None = None, timeout: int = 600) -> tuple[subprocess.CompletedProcess, float]:
+    args = [str(BIN / "rlhf"), "run"]
+    for s in [*SMALL, f"store.uri={store_uri}"]:
+        args += ["--set", s]
+    args += list(extra)
+    t0 = time.time()
+    p = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}, cwd=REPO)
+    wall = time.time() - t0
+    assert p.returncode == 0, f"rlhf run failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
+    return p, wall
+
+
+async def _latest_task_states() -> dict[str, dict]:
+    """Task name -> {state, run_count} of the newest `rlhf-stages` flow run."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName, FlowRunFilter, FlowRunFilterId
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    async with get_client() as c:
+        runs = await c.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["rlhf-stages"])),
+                                      sort=FlowRunSort.START_TIME_DESC, limit=1)
+        tasks = await c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[runs[0].id])))
+        return {t.name.rsplit("-", 1)[0]: {"state": t.state.name, "run_count": t.run_count} for t in tasks}
+
+
+def task_states() -> dict[str, dict]:
+    return asyncio.run(_latest_task_states())
+
+
+@pytest.fixture(scope="module")
+def store_uri(tmp_path_factory, prefect_api, rlhf_cache) -> str:
+    return "file://" + str(tmp_path_factory.mktemp("flow-store"))
+
+
+def test_run_then_cached_rerun_then_only_downstream_reruns(store_uri, prefect_api):
+    _, first = rlhf_run(store_uri)
+    states = task_states()
+    assert {s["state"] for s in states.values()} == {"Completed"}, states
+    store = ArtifactStore(store_uri)
+    keys = store.list()
+    assert {k.split("/")[0] for k in keys} >= {"data", "sft", "rm", "ppo"}, keys
+    for k in keys:
+        store.verify(k)
+
+    _, cached = rlhf_run(store_uri)
+    states = task_states()
+    assert {n: s["state"] for n, s in states.items()} == {n: "Cached" for n in ("data", "sft", "rm", "ppo")}, states
+    print(f"\nfirst run {first:.1f}s, fully cached rerun {cached:.1f}s (wall, `rlhf run` incl. Prefect server + Ray start)")
+    assert cached < first
+
+    # a change to the reward model's config re-runs it and PPO only
+    rlhf_run(store_uri, "--set", "rm.lr=5e-4")
+    states = {n: s["state"] for n, s in task_states().items()}
+    assert states == {"data": "Cached", "sft": "Cached", "rm": "Completed", "ppo": "Completed"}, states
+
+
+def test_refresh_rebuilds_the_stage(store_uri, prefect_api):
+    rlhf_run(store_uri, "--refresh", "sft")
+    states = {n: s["state"] for n, s in task_states().items()}
+    assert states["sft"] == "Completed" and states["data"] == "Cached" and states["rm"] == "Cached", states
+
+
+def test_stage_failing_once_is_retried(store_uri, prefect_api, tmp_path):
+    marker = tmp_path / "rm-failed-once"
+    p, _ = rlhf_run(store_uri, "--set", "rm.lr=7e-4", "--set", "resources.rm.retry_delay_s=0.5",
+                    env={"RLHF_FAIL_ONCE": f"rm:{marker}"})
+    assert marker.exists(), "the injected fault did not fire"
+    states = task_states()
+    assert states["rm"] == {"state": "Completed", "run_count": 2}, states
+    assert "injected fault" in p.stdout + p.stderr
+
+
+def test_corrupt_cached_artifact_is_rebuilt_not_trusted(store_uri, prefect_api):
+    store = ArtifactStore(store_uri)
+    sft_key = next(k for k in store.list("sft") if not k.endswith("-partial"))
+    m = store.manifest(sft_key)
+    victim = Path(store.fetch(sft_key, verify=False)) / "adapter" / "adapter_model.safetensors"
+    assert "adapter/adapter_model.safetensors" in m["files"]
+    victim.write_bytes(victim.read_bytes()[:100])  # truncated on disk
+    rlhf_run(store_uri)
+    states = {n: s["state"] for n, s in task_states().items()}
+    assert states["sft"] == "Completed" and states["data"] == "Cached", states
+    store.verify(sft_key)  # republished whole
+
+
+def test_deployment_full_runs_on_a_process_worker(prefect_api, tmp_path, rlhf_cache):
+    pool = "rlhf-test-pool"
+    store_uri = "file://" + str(tmp_path / "deployed-store")
+    sets = [a for s in [*SMALL, f"store.uri={store_uri}"] for a in ("--set", s)]
+    env = {**os.environ, "PREFECT_API_URL": prefect_api}
+    subprocess.run([sys.executable, "deployments/deploy.py", "--pool", pool, "--cron", "0 3 * * 0", *sets],
+                   check=True, cwd=REPO, env=env, timeout=120, capture_output=True)
+    worker = subprocess.Popen([str(BIN / "prefect"), "worker", "start", "--pool", pool, "--type", "process"],
+                              cwd=REPO, env=env, stdout=open(tmp_path / "worker.log", "w"), stderr=subprocess.STDOUT,
+                              start_new_session=True)
+    try:
+        t0 = time.time()
+        run = subprocess.run([str(BIN / "prefect"), "deployment", "run", "rlhf/full", "--watch", "--watch-timeout", "600"],
+                             cwd=REPO, env=env, timeout=660, capture_output=True, text=True)
+        print(f"\ndeployment run rlhf/full: {time.time() - t0:.1f}s")
+        log = (tmp_path / "worker.log").read_text()
+        assert run.returncode == 0, f"{run.stdout[-2000:]}\n{run.stderr[-2000:]}\nworker:\n{log[-4000:]}"
+        assert "Completed" in run.stdout
+    finally:
+        os.killpg(worker.pid, signal.SIGINT)
+        try:
+            worker.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(worker.pid, signal.SIGKILL)
+    store = ArtifactStore(store_uri)
+    ppo = [k for k in store.list("ppo") if "-ckpt" not in k]
+    assert len(ppo) == 1 and store.manifest(ppo[0])["kind"] == "ppo_actor"
+    sched = asyncio.run(_deployment_schedule("rlhf/full"))
+    assert sched == ["0 3 * * 0"], sched
+
+
+async def _deployment_schedule(name: str) -> list[str]:
+    from prefect.client.orchestration import get_client
+
+    async with get_client() as c:
+        d = await c.read_deployment_by_name(name)
+        return [s.schedule.cron for s in d.schedules]
