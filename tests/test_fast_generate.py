@@ -193,3 +193,134 @@ def test_errors_name_the_sizes_and_the_model():
 
     with pytest.raises(ValueError, match="GPT2LMHeadModel is not a Llama-style decoder"):
         FastGenerator(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=V)), 2, 16)
+
+
+# -- when PPO uses it ------------------------------------------------------------------------------
+def test_which_rollout_path_ppo_takes():
+    from transformers import GPT2Config, MistralConfig
+
+    from tasks.ppo.config import PPOConfig
+    from tasks.ppo.fast_generate import fast_generate_applies
+
+    llama = LlamaConfig(**SHAPE)
+    assert fast_generate_applies("auto", "ddp", "cuda", llama)
+    assert not fast_generate_applies("auto", "ddp", "cpu", llama)  # CPU keeps the plain loop
+    assert fast_generate_applies("on", "ddp", "cpu", llama)
+    assert not fast_generate_applies("off", "ddp", "cuda", llama)
+    assert not fast_generate_applies("auto", "fsdp", "cuda", llama)
+    assert not fast_generate_applies("auto", "ddp", "cuda", GPT2Config())
+    with pytest.raises(ValueError, match=r"fast_generate 'on' cannot apply: model_type 'gpt2' .*set ppo.fast_generate 'auto' or 'off'"):
+        fast_generate_applies("on", "ddp", "cuda", GPT2Config())
+    with pytest.raises(ValueError, match=r"sliding-window"):
+        fast_generate_applies("on", "ddp", "cuda", MistralConfig(sliding_window=64))
+    with pytest.raises(ValueError, match=r"fast_generate 'on' needs every actor rank to hold full parameters.*'fsdp'"):
+        PPOConfig(fast_generate="on", strategy="fsdp")
+
+
+def test_peft_update_is_seen_with_bf16_base_and_fp32_adapter():
+    """What the PPO actor holds on a GPU: bf16 base weights, fp32 LoRA (PEFT's autocast). The
+    decode runs on a bf16 shadow of the adapter, refreshed in place before every rollout."""
+    from peft import LoraConfig, get_peft_model
+
+    model = tiny("llama", seed=10).to(torch.bfloat16)
+    ids, mask = left_padded(seed=11)
+    peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False),
+                                autocast_adapter_dtype=True).eval()
+    assert {p.dtype for n, p in peft_model.named_parameters() if "lora_" in n} == {torch.float32}
+    fg = FastGenerator(peft_model, max_batch=4, max_len=32)
+    assert fg._shadow is not None and fg.dtype == torch.bfloat16
+    before = fast(fg, ids, mask, eos=-1, greedy=True).sequences
+    opt = torch.optim.SGD([p for p in peft_model.parameters() if p.requires_grad], lr=20.0)
+    peft_model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+    opt.step()
+    after = fast(fg, ids, mask, eos=-1, greedy=True).sequences
+    ref = plain(peft_model, ids, mask, eos=-1, greedy=True).sequences  # fp32 LoRA math: rounding may differ
+    assert not torch.equal(after, before)  # the update mattered
+    assert (after == ref).float().mean() > 0.9
+
+
+@pytest.fixture(scope="module")
+def sft_adapter(rlhf_cache, ray_cluster, tmp_path_factory):
+    """(store, data, sft, model config): data prep and a short SFT of the built-in model, fp32."""
+    from storage import ArtifactStore
+    from tasks.common.model import ModelConfig
+    from tasks.data.config import DataConfig
+    from tasks.data.prepare import prepare_data
+    from tasks.sft.config import SFTConfig
+    from tasks.sft.train import train_sft
+
+    store = ArtifactStore(f"file://{tmp_path_factory.mktemp('fastgen-store')}")
+    model = ModelConfig(dtype="float32")  # exact comparisons on a GPU too (bf16 is the bench's business)
+    data = prepare_data(DataConfig(), model, store, 42)
+    return store, data, train_sft(SFTConfig(max_steps=40), model, store, data, 42), model
+
+
+def _actor(mode: str, stages, ppo, tok):
+    import ray
+
+    from tasks.ppo.config import RoleConfig
+    from tasks.ppo.group import RoleGroup
+    from tasks.ppo.roles import PolicyWorker
+
+    store, data, sft, model = stages
+    pg = ray.util.placement_group([{"CPU": 1.0, **({"GPU": 0.25} if DEVICE == "cuda" else {})}])
+    ray.get(pg.ready())
+    group = RoleGroup("actor", PolicyWorker, RoleConfig(cpus_per_worker=1.0, gpus_per_worker=0.25 if DEVICE == "cuda" else 0.0),
+                      pg, "ddp", 42, DEVICE)
+    ray.get(group.connect())
+    w = group.workers[0]
+    ray.get(w.load.remote(model, store, sft.key, data.key, ppo.model_copy(update={"fast_generate": mode}),
+                          tok.pad_token_id, tok.eos_token_id))
+    return group, pg, w
+
+
+def test_policy_worker_fast_rollouts_equal_plain_ones_before_and_after_learning(sft_adapter):
+    """PolicyWorker with ppo.fast_generate 'on' (static cache; on CUDA the graph) against 'off'
+    (the plain loop): same greedy and seeded-sampled rollouts, and still the same after both
+    learned from the same experience (the fast path reads the updated LoRA weights in place)."""
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    from tasks.common.model import load_tokenizer
+    from tasks.data.dataset import read_jsonl
+    from tasks.ppo.config import PPOConfig
+    from tasks.ppo.roles import Experience
+
+    store, data, _, model = sft_adapter
+    tok = load_tokenizer(model, str(store.fetch(data.key) / "tokenizer"))
+    prompts = [r["prompt_ids"] for r in read_jsonl(store.fetch(data.key) / "prompts_eval.jsonl")][:12]
+    ppo = PPOConfig(rollout_batch_size=12, train_batch_size=12, max_new_tokens=16, actor_lr=0.05, ppo_epochs=2)
+    started = [_actor(m, sft_adapter, ppo, tok) for m in ("on", "off")]
+    (_, _, fast_w), (_, _, plain_w) = started
+    try:
+        assert ray.get(fast_w.rollout_info.remote())["fast_generate"] and not ray.get(plain_w.rollout_info.remote())["fast_generate"]
+
+        def both(**kw):
+            return ray.get([w.generate.remote(prompts, 1, **kw) for w in (fast_w, plain_w)])
+
+        def assert_same(a, b):
+            for field in a._fields:
+                assert torch.equal(getattr(a, field), getattr(b, field)), field
+
+        greedy, plain_greedy = both(greedy=True)
+        assert_same(greedy, plain_greedy)
+        assert greedy.ended_with_eos.any()  # rows stop at EOS on their own
+        assert_same(*both(seed=7))  # sampled with the same seed (the evaluation's path)
+
+        lp, _ = ray.get(fast_w.logprobs.remote(greedy))
+        adv = torch.randn(lp.shape, generator=torch.Generator().manual_seed(0)) * greedy.action_mask
+        exp = Experience(greedy.sequences, greedy.attention_mask, greedy.action_mask, lp, torch.zeros_like(lp), adv, torch.zeros_like(lp))
+        ray.get([w.learn.remote(exp) for w in (fast_w, plain_w)])
+        digests = ray.get([w.local_digest.remote() for w in (fast_w, plain_w)])
+        # the same LoRA weights in both (a GPU's attention backward may add in another order)
+        assert digests[0] == (digests[1] if DEVICE == "cpu" else pytest.approx(digests[1], rel=1e-6))
+
+        after, plain_after = both(greedy=True)
+        assert not torch.equal(after.sequences, greedy.sequences)  # learning changed the policy's output
+        assert_same(after, plain_after)
+        info = ray.get(fast_w.rollout_info.remote())
+        assert info["cuda_graphs"] == (DEVICE == "cuda") and info["graph_batch_sizes"] == ([12] if DEVICE == "cuda" else [])
+    finally:
+        for group, pg, _ in started:
+            group.kill()
+            remove_placement_group(pg)

@@ -67,6 +67,7 @@ class PPOConfig(BaseModel):
     temperature: float = Field(1.0, gt=0.0, description="Sampling temperature (log-probs use the same).")
     top_k: int = Field(0, ge=0, description="Top-k sampling (0: off; seed 50). Off by default so the KL estimate is of the policy itself.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling (1.0: off).")
+    fast_generate: Literal["auto", "on", "off"] = Field("auto", description="Rollouts with tasks/ppo/fast_generate.py (static KV cache; CUDA graphs on CUDA): 'auto' = on for CUDA actors of a Llama-family model with strategy 'ddp', 'on' = also on CPU (eager) and an error where it cannot apply, 'off' = the plain loop of tasks/ppo/generation.py.")
 
     # -- evaluation, checkpoints, logging
     eval_every: int = Field(10, gt=0, description="Evaluate on prompts_eval every N iterations (and at start and end).")
@@ -91,6 +92,11 @@ class PPOConfig(BaseModel):
             g = getattr(self, role).gpus_per_worker
             if g > 1 and g != int(g):
                 raise ValueError(f"ppo.{role}.gpus_per_worker ({g}): above 1 it must be a whole number of GPUs (Ray's rule)")
+        if self.fast_generate == "on" and self.strategy != "ddp":
+            raise ValueError(
+                f"ppo.fast_generate 'on' needs every actor rank to hold full parameters, but ppo.strategy "
+                f"{self.strategy!r} shards them: use ppo.strategy 'ddp', or ppo.fast_generate 'auto' / 'off'"
+            )
         if self.device == "cuda" and not any(getattr(self, r).gpus_per_worker for r in ROLES):
             raise ValueError("ppo.device 'cuda' but every role has gpus_per_worker 0: give roles GPUs (e.g. 0.25 each with colocate) or use device 'auto'")
         return self

@@ -105,6 +105,43 @@ def _decoder_parts(model):
     return lm, embed, layers, norm, head, rotary
 
 
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def unsupported_reason(config) -> str | None:
+    """Why FastGenerator cannot decode a model of this Hugging Face ``config``, or None."""
+    kind = getattr(config, "model_type", None)
+    if kind not in SUPPORTED_MODEL_TYPES:
+        return f"model_type {kind!r} is not one of the Llama-family decoders it implements {SUPPORTED_MODEL_TYPES}"
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return f"sliding-window attention (config.sliding_window={config.sliding_window}) is not supported"
+    return None
+
+
+def fast_generate_applies(mode: str, strategy: str, device: str, config) -> bool:
+    """Whether PPO rollouts use FastGenerator (``ppo.fast_generate`` = ``mode``): 'auto' on CUDA for a
+    supported model with unsharded parameters (strategy 'ddp'); 'on' wherever it can, else a ValueError."""
+    if mode == "off":
+        return False
+    reason = unsupported_reason(config)
+    if reason is None and strategy != "ddp":
+        reason = f"ppo.strategy {strategy!r} shards the parameters (it needs them whole on every actor rank)"
+    if reason is not None and mode == "on":
+        raise ValueError(f"ppo.fast_generate 'on' cannot apply: {reason}; set ppo.fast_generate 'auto' or 'off'")
+    return reason is None and (mode == "on" or device == "cuda")
+
+
+def check_fast_generate(mode: str, strategy: str, model_cfg) -> None:
+    """Before any actor starts: 'on' for a model FastGenerator cannot decode is an error."""
+    if mode != "on":
+        return
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_cfg.path(), revision=model_cfg.revision,
+                                        trust_remote_code=model_cfg.trust_remote_code)
+    fast_generate_applies(mode, strategy, "cpu", config)
+
+
 class FastGenerator:
     """Rollouts for one model with a static cache of ``max_batch`` rows x ``max_len`` columns.
 

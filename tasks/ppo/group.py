@@ -153,7 +153,19 @@ class DistributedWorker:
                               RANK=str(self.rank), LOCAL_RANK="0")
             colossalai.launch_from_torch(seed=self.seed)
             return
-        init_distributed(self.rank, self.world_size, addr, port)
+        # by the role's device, not torch.cuda.is_available(): Ray leaves the GPUs visible to actors
+        # that reserved none, and gloo is what CPU tensors need
+        init_distributed(self.rank, self.world_size, addr, port, backend="nccl" if self.device == "cuda" else "gloo")
+
+    def memory_stats(self) -> dict[str, float]:
+        """Peak and current GPU memory this actor's torch allocated, in GiB (empty on CPU)."""
+        import torch
+
+        if self.device != "cuda":
+            return {}
+        return {"peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+                "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
+                "allocated_gib": torch.cuda.memory_allocated() / 2**30}
 
 
 # ----------------------------------------------------------------------------- strategies

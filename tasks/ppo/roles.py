@@ -5,6 +5,10 @@ and the driver calls ``worker.method.remote(...)``. Tensors travel as ``Rollout`
 ``Experience`` NamedTuples inside Ray object refs. Shapes: B rows, L = P + N tokens (left-padded
 prompt + N = max_new_tokens response columns).
 
+Rollouts: with ``ppo.fast_generate`` (default 'auto': CUDA, Llama-family, DDP) the actor decodes
+with ``FastGenerator`` (static KV cache, the decode step as a CUDA graph) over its own parameter
+tensors, so an optimizer step is seen by the next rollout with no copy; else the plain loop.
+
 Learners run in eval mode: dropout (the SFT adapter's LoRA dropout) stays off, so log-probs at
 learning time match the rollout's (TRL disables dropout in PPO for the same reason).
 """
@@ -12,12 +16,14 @@ learning time match the rollout's (TRL disables dropout in PPO for the same reas
 from __future__ import annotations
 
 import random
+from functools import partial
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from tasks.ppo.config import PPOConfig
+from tasks.ppo.fast_generate import fast_generate_applies
 from tasks.ppo.group import DistributedWorker, agree_finished, full_state, load_full_state, wrap_learner
 
 
@@ -103,9 +109,12 @@ class PolicyWorker(_LearnerMixin, DistributedWorker):
         self.model, self.optim, self.infer_model = wrap_learner(peft, ppo.actor_lr, self.strategy, self.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.all_finished = agree_finished(self.strategy, self.device)
-        self.sample_gen = torch.Generator().manual_seed(self.seed * 7919 + self.rank)
+        # sampling draws on the device the logits are on (torch.multinomial needs a generator there)
+        self.sample_gen = torch.Generator(self.device).manual_seed(self.seed * 7919 + self.rank)
         self.learn_gen = torch.Generator().manual_seed(self.seed * 7919 + 101 + self.rank)
         self.ptx = read_jsonl(store.fetch(data_key) / "ptx_train.jsonl") if ppo.ptx_coef > 0 else []
+        self.fast = fast_generate_applies(ppo.fast_generate, self.strategy, self.device, base.config)
+        self.fast_gen = None  # built at the first rollout, sized to it
 
     def _generators(self):
         return self.sample_gen, self.learn_gen
@@ -118,13 +127,34 @@ class PolicyWorker(_LearnerMixin, DistributedWorker):
         from tasks.ppo.generation import generate
 
         batch = collate_prompts([{"prompt_ids": p} for p in prompts], self.pad_id)
-        gen = self.sample_gen if seed is None else torch.Generator().manual_seed(seed + self.rank)
-        ro = generate(self.infer_model, batch["input_ids"].to(self.device), batch["attention_mask"].to(self.device),
-                      max_new_tokens=self.ppo.max_new_tokens, eos_token_id=self.eos_id, pad_token_id=self.pad_id,
-                      temperature=self.ppo.temperature, top_k=self.ppo.top_k, top_p=self.ppo.top_p,
-                      generator=gen, greedy=greedy, all_finished=self.all_finished)
+        gen = self.sample_gen if seed is None else torch.Generator(self.device).manual_seed(seed + self.rank)
+        ids, mask = batch["input_ids"].to(self.device), batch["attention_mask"].to(self.device)
+        decode = self._fast_generator(*ids.shape).generate if self.fast else partial(generate, self.infer_model)
+        ro = decode(ids, mask, max_new_tokens=self.ppo.max_new_tokens, eos_token_id=self.eos_id, pad_token_id=self.pad_id,
+                    temperature=self.ppo.temperature, top_k=self.ppo.top_k, top_p=self.ppo.top_p,
+                    generator=gen, greedy=greedy, all_finished=self.all_finished)
         ro = type(ro)(*(t.cpu() for t in ro))
         return ro if split == 1 else tuple(_chunks(ro, split))
+
+    def _fast_generator(self, batch: int, prompt_len: int):
+        """The FastGenerator over the actor's own parameters (an optimizer step updates them in
+        place, so the next rollout sees it); rebuilt larger when a rollout does not fit its cache."""
+        from tasks.ppo.fast_generate import FastGenerator
+
+        fg, need = self.fast_gen, prompt_len + self.ppo.max_new_tokens
+        if fg is None or batch > fg.max_batch or need > fg.max_len:
+            per_worker = self.ppo.rollout_batch_size // self.world_size
+            rows = max(batch, per_worker, fg.max_batch if fg else 0)
+            cols = max(-(-need // 64) * 64, fg.max_len if fg else 0)  # round up: fewer rebuilds as prompts vary
+            self.fast_gen = fg = None  # free the old cache and graphs first
+            self.fast_gen = FastGenerator(self.infer_model, max_batch=rows, max_len=cols)
+        return self.fast_gen
+
+    def rollout_info(self) -> dict:
+        """Which decode path rollouts take: {'fast_generate', 'cuda_graphs', 'graph_batch_sizes', 'shadow_weights'}."""
+        fg = self.fast_gen
+        return {"fast_generate": self.fast, "cuda_graphs": bool(fg and fg.use_cuda_graph),
+                "graph_batch_sizes": sorted(fg._graphs) if fg else [], "shadow_weights": bool(fg and fg._shadow is not None)}
 
     @torch.no_grad()
     def logprobs(self, rollout) -> tuple[Tensor, Tensor]:

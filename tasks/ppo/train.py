@@ -23,6 +23,7 @@ from tasks.common.model import ModelConfig, check_model_exists, load_tokenizer
 from tasks.data.dataset import read_jsonl
 from tasks.ppo.checkpoint import latest_checkpoint, load_checkpoint, publish_final, save_checkpoint
 from tasks.ppo.config import LEARNERS, ROLES, PPOConfig
+from tasks.ppo.fast_generate import check_fast_generate
 from tasks.ppo.group import RoleGroup, check_cluster, create_placement_groups, role_device
 
 log = logging.getLogger("rlhf.ppo")
@@ -32,7 +33,8 @@ METRICS = ("reward_mean", "reward_std", "kl", "entropy", "policy_loss", "value_l
 
 def ppo_key(cfg: PPOConfig, model: ModelConfig, data: ArtifactRef, sft: ArtifactRef, rm: ArtifactRef, seed: int) -> str:
     return stage_key("ppo", {"ppo": cfg, "model": model.identity(), "seed": _seed(cfg, seed)},
-                     {"data": data, "sft": sft, "rm": rm}, code_version("tasks.ppo", "tasks.common"))
+                     {"data": data.only("tokenizer", "prompts_train.jsonl", "prompts_eval.jsonl", "ptx_train.jsonl"), "sft": sft, "rm": rm},
+                     code_version("tasks.ppo", "tasks.common"))
 
 
 def _seed(cfg: PPOConfig, seed: int) -> int:
@@ -90,11 +92,12 @@ def train_ppo(cfg: PPOConfig, model: ModelConfig, store: ArtifactStore, data: Ar
     import ray
 
     key = ppo_key(cfg, model, data, sft, rm, seed)
-    if store.exists(key) and not force:
+    if not force and store.is_good(key):  # a damaged artifact is rebuilt
         return store.ref(key)
     seed = _seed(cfg, seed)
     check_ppo(cfg)
     check_model_exists(model)
+    check_fast_generate(cfg.fast_generate, cfg.strategy, model)
     data_dir = store.fetch(data.key)
     tokenizer = load_tokenizer(model, str(data_dir / "tokenizer"))
     prompts = [r["prompt_ids"] for r in read_jsonl(data_dir / "prompts_train.jsonl")]
