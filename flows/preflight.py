@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import uuid
 from urllib.parse import urlparse
 
 from flows.config import ConfigError, PipelineConfig
@@ -40,13 +41,68 @@ def check_local_gpus(cfg: PipelineConfig) -> None:
             raise ConfigError(f"`ppo.{role}.gpus_per_worker` ({g}): no GPU here (torch sees none); set it to 0 on CPU")
 
 
+_STORE_FIX = {
+    "s3": "check the credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN or AWS_PROFILE in the "
+          "environment), that the bucket exists, and store.storage_options.client_kwargs.endpoint_url",
+    "local": "make the folder writable by this user (and check the disk has free space) or point store.uri elsewhere",
+}
+
+
+def check_store(cfg: PipelineConfig) -> None:
+    """The artifact root opens and takes a write: a probe file is written and removed at once.
+
+    A bad scheme, wrong credentials, a missing bucket or a read-only or full disk fails here, in
+    seconds, instead of when the first stage publishes after minutes of training."""
+    from storage.store import ArtifactStore
+
+    uri = cfg.store.resolved_uri()
+    try:
+        store = ArtifactStore(uri, cfg.store.storage_options)
+    except (ValueError, ImportError) as e:
+        raise ConfigError(f"`store.uri` ({cfg.store.uri!r}): {e}") from None
+    except OSError as e:
+        raise ConfigError(f"`store.uri` ({cfg.store.uri!r}): {e}; {_STORE_FIX['local']}") from None
+    # names starting with '.' can never be artifact keys, so a probe left by a crash is ignored
+    probe = f"{store.root}/.rlhf-preflight-{uuid.uuid4().hex[:12]}"
+    try:
+        store.fs.pipe_file(probe, b"preflight write probe\n")
+        store.fs.rm_file(probe)
+    except Exception as e:  # PermissionError, FileNotFoundError (no bucket), OSError (ENOSPC), botocore errors
+        fix = _STORE_FIX["local"] if store.local else _STORE_FIX["s3"] if "s3" in str(store.fs.protocol) else \
+            "check the credentials and endpoint for this protocol (store.storage_options) and that the root exists"
+        raise ConfigError(f"`store.uri` ({cfg.store.uri!r}): cannot write to the artifact store "
+                          f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else e!r}); {fix}") from None
+
+
+def check_tokenizer(cfg: PipelineConfig) -> None:
+    """The tokenizer loads and has a pad (or eos) token: cheap, and no weights are read."""
+    from tasks.common.model import load_tokenizer
+
+    try:
+        load_tokenizer(cfg.model)
+    except OSError as e:
+        field = "model.tokenizer" if cfg.model.tokenizer else "model.pretrain"
+        raise ConfigError(f"`{field}` ({cfg.model.tokenizer or cfg.model.pretrain!r}): no tokenizer could be loaded "
+                          f"({type(e).__name__}: {str(e).splitlines()[0]}); point it at a folder or hub name with tokenizer files") from None
+
+
+def check_lora_targets(cfg: PipelineConfig) -> None:
+    """LoRA target names against a weightless (meta-device) skeleton of the model."""
+    from tasks.sft.lora import model_skeleton, resolve_target_modules
+
+    resolve_target_modules(cfg.sft.target_modules, model_skeleton(cfg.model), builtin=cfg.model.is_builtin, field="sft.target_modules")
+    if cfg.rm.lora_rank > 0:
+        resolve_target_modules(cfg.rm.target_modules, model_skeleton(cfg.model, body_only=True), field="rm.target_modules")
+
+
 def preflight(cfg: PipelineConfig) -> None:
     from tasks.common.model import check_model_exists
     from tasks.data.prepare import check_data
     from tasks.ppo.train import check_ppo
 
-    for fn in (lambda: check_ray_address(cfg.ray.address), lambda: check_local_gpus(cfg), lambda: check_data(cfg.data),
-               lambda: check_model_exists(cfg.model), lambda: check_ppo(cfg.ppo)):
+    for fn in (lambda: check_store(cfg), lambda: check_ray_address(cfg.ray.address), lambda: check_local_gpus(cfg),
+               lambda: check_ppo(cfg.ppo), lambda: check_data(cfg.data), lambda: check_model_exists(cfg.model),
+               lambda: check_tokenizer(cfg), lambda: check_lora_targets(cfg)):
         try:
             fn()
         except ConfigError:

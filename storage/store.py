@@ -45,6 +45,21 @@ class ArtifactRef(BaseModel):
     key: str
     kind: str
     content_hash: str
+    parts: dict[str, str] = {}  # content hash per top-level file/folder, see ``only``
+
+    def only(self, *names: str) -> "ArtifactRef":
+        """This ref with a content hash over just the named parts (top-level files or folders).
+
+        A consumer that reads only some parts keys on those, so a change elsewhere in the
+        artifact does not invalidate it (new prompts re-run PPO, not SFT).
+        """
+        if not self.parts:
+            return self
+        missing = [n for n in names if n not in self.parts]
+        if missing:
+            raise KeyError(f"{self.uri} has no parts {missing}; it has {sorted(self.parts)}")
+        h = hashlib.sha256("".join(f"{n}\0{self.parts[n]}\n" for n in sorted(names)).encode()).hexdigest()
+        return self.model_copy(update={"content_hash": h, "parts": {n: self.parts[n] for n in names}})
 
 
 class ArtifactCorrupt(RuntimeError):
@@ -57,6 +72,14 @@ def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def part_hashes(files: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
+    """Content hash of each top-level entry: 'tokenizer/a.json' belongs to part 'tokenizer'."""
+    groups: dict[str, dict] = {}
+    for rel, meta in files.items():
+        groups.setdefault(rel.split("/", 1)[0], {})[rel] = meta
+    return {name: content_hash(group) for name, group in groups.items()}
 
 
 def content_hash(files: Mapping[str, Mapping[str, Any]]) -> str:
@@ -177,7 +200,8 @@ class ArtifactStore:
 
     def ref(self, key: str) -> ArtifactRef:
         m = self.manifest(key)
-        return ArtifactRef(uri=self.uri_of(key), key=_check_key(key), kind=m["kind"], content_hash=m["content_hash"])
+        return ArtifactRef(uri=self.uri_of(key), key=_check_key(key), kind=m["kind"], content_hash=m["content_hash"],
+                           parts=part_hashes(m["files"]))
 
     def list(self, prefix: str = "") -> list[str]:
         """Keys of complete artifacts (those with a manifest) under ``prefix``, sorted."""
@@ -213,6 +237,17 @@ class ArtifactStore:
                 raise ArtifactCorrupt(f"{uri}: file {rel} named in the manifest is missing") from None
             _check_file(uri, rel, meta, h.hexdigest(), size)
         return m
+
+    def is_good(self, key: str) -> bool:
+        """Published and every file matching its manifest: what a stage may reuse instead of
+        rebuilding (a damaged artifact is rebuilt, never trusted)."""
+        if not self.exists(key):
+            return False
+        try:
+            self.verify(key)
+            return True
+        except (ArtifactCorrupt, FileNotFoundError):
+            return False
 
     def fetch(self, key: str, cache_dir: str | Path | None = None, verify: bool = True) -> Path:
         """A local directory holding the artifact's files, checked against the manifest.
@@ -303,7 +338,8 @@ class ArtifactStore:
         }
         raw = json.dumps(manifest, indent=1, sort_keys=True, default=to_jsonable).encode()
         self._write_manifest(key, raw)
-        return ArtifactRef(uri=self.uri_of(key), key=key, kind=kind, content_hash=manifest["content_hash"])
+        return ArtifactRef(uri=self.uri_of(key), key=key, kind=kind, content_hash=manifest["content_hash"],
+                           parts=part_hashes(files))
 
     def _upload(self, key: str, data: str, local_dir: Path, paths: list[Path]) -> dict[str, dict[str, Any]]:
         files: dict[str, dict[str, Any]] = {}

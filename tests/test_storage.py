@@ -80,7 +80,8 @@ def src(tmp_path) -> Path:
 def test_publish_fetch_round_trip(store, src, tmp_path):
     ref = store.publish("sft/abc123", src, kind="sft_adapter")
     assert ref == ArtifactRef(uri=f"{store.uri}/sft/abc123", key="sft/abc123", kind="sft_adapter",
-                              content_hash=ref.content_hash)
+                              content_hash=ref.content_hash, parts=ref.parts)
+    assert set(ref.parts) == {p.split("/")[0] for p in FILES}
     assert store.exists("sft/abc123") and store.ref("sft/abc123") == ref
     local = store.fetch("sft/abc123", cache_dir=tmp_path / "cache")
     assert read_tree(local) == FILES  # exactly the published files: no markers, nothing missing
@@ -390,3 +391,24 @@ def test_read_only_root_raises_permission_error(tmp_path):
         assert not ArtifactStore(f"file://{ro}").exists("sft/p")
     finally:
         ro.chmod(0o755)
+
+
+def test_ref_only_keys_on_the_parts_a_consumer_reads(tmp_path):
+    """A dataset whose prompts change keeps the hash of its SFT parts (so SFT is reused)."""
+    store = ArtifactStore("memory://parts-" + tmp_path.name)
+
+    def publish(prompts: str):
+        d = tmp_path / prompts
+        (d / "tokenizer").mkdir(parents=True)
+        (d / "tokenizer" / "t.json").write_text("{}")
+        (d / "sft_train.jsonl").write_text("sft\n")
+        (d / "prompts_train.jsonl").write_text(prompts)
+        return store.publish(f"data/{prompts}", d, kind="dataset")
+
+    a, b = publish("p1"), publish("p2")
+    assert a.content_hash != b.content_hash
+    assert a.only("tokenizer", "sft_train.jsonl").content_hash == b.only("tokenizer", "sft_train.jsonl").content_hash
+    assert a.only("prompts_train.jsonl").content_hash != b.only("prompts_train.jsonl").content_hash
+    assert store.ref("data/p1").parts == a.parts
+    with pytest.raises(KeyError, match="no parts"):
+        a.only("pref_train.jsonl")

@@ -95,7 +95,9 @@ def load_tokenizer(cfg: ModelConfig, path: str | None = None):
     if tok.pad_token is None:
         tok.pad_token = tok.unk_token if getattr(tok, "unk_token", None) and "llama" in type(tok).__name__.lower() else tok.eos_token
     if tok.pad_token is None:
-        raise ValueError(f"tokenizer of {name!r} has neither pad, unk nor eos token; set model.tokenizer to one that has")
+        field = "model.tokenizer" if cfg.tokenizer else "model.pretrain"
+        raise ValueError(f"{field}: the tokenizer of {name!r} has neither pad, unk nor eos token; "
+                         "set model.tokenizer to one that has (or save this one with a pad_token)")
     return tok
 
 

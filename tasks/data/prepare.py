@@ -309,7 +309,7 @@ def prepare_data(cfg: DataConfig, model: ModelConfig, store: ArtifactStore, seed
         sources = _load_sources(cfg, tmp)
         key_config = _key_config(cfg, model, seed, sources)
         key = _data_key(key_config)
-        if store.exists(key) and not force:
+        if not force and store.is_good(key):  # a damaged artifact is rebuilt
             return store.ref(key)
         records = _parse(cfg, sources)  # every data error is raised here, before the tokenizer loads
         tok = load_tokenizer(model)

@@ -32,7 +32,7 @@ _NOT_IN_KEY = {"log_every"}
 
 def rm_key(cfg: RewardConfig, model: ModelConfig, data: ArtifactRef, seed: int) -> str:
     return stage_key("rm", {"rm": cfg.model_dump(mode="json", exclude=_NOT_IN_KEY), "model": model.identity(), "seed": seed},
-                     {"data": data}, code_version("tasks.rm", "tasks.sft.loop", "tasks.sft.lora", "tasks.common"))
+                     {"data": data.only("tokenizer", "pref_train.jsonl", "pref_eval.jsonl")}, code_version("tasks.rm", "tasks.sft.loop", "tasks.sft.lora", "tasks.common"))
 
 
 def train_reward_model(cfg: RewardConfig, model: ModelConfig, store: ArtifactStore, data: ArtifactRef, seed: int,
@@ -44,7 +44,7 @@ def train_reward_model(cfg: RewardConfig, model: ModelConfig, store: ArtifactSto
     if data.kind != "dataset":
         raise ValueError(f"train_reward_model data {data.uri!r} is a {data.kind!r} artifact: pass the ref prepare_data returned (kind 'dataset')")
     key = rm_key(cfg, model, data, seed)
-    if store.exists(key) and not force:
+    if not force and store.is_good(key):  # a damaged artifact is rebuilt
         logger.info("rm: %s already published, reusing it", store.uri_of(key))
         return store.ref(key)
     targets = _check_inputs(cfg, model, store, data)

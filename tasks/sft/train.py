@@ -41,7 +41,7 @@ _NOT_IN_KEY = {"resume", "log_every"}
 
 def sft_key(cfg: SFTConfig, model: ModelConfig, data: ArtifactRef, seed: int) -> str:
     return stage_key("sft", {"sft": cfg.model_dump(mode="json", exclude=_NOT_IN_KEY), "model": model.identity(), "seed": seed},
-                     {"data": data}, code_version("tasks.sft", "tasks.common"))
+                     {"data": data.only("tokenizer", "sft_train.jsonl", "sft_eval.jsonl")}, code_version("tasks.sft", "tasks.common"))
 
 
 def partial_key(key: str) -> str:
@@ -61,7 +61,7 @@ def train_sft(cfg: SFTConfig, model: ModelConfig, store: ArtifactStore, data: Ar
     if data.kind != "dataset":
         raise ValueError(f"train_sft data {data.uri!r} is a {data.kind!r} artifact: pass the ref prepare_data returned (kind 'dataset')")
     key = sft_key(cfg, model, data, seed)
-    if store.exists(key) and not force:
+    if not force and store.is_good(key):  # a damaged artifact is rebuilt
         logger.info("sft: %s already published, reusing it", store.uri_of(key))
         return store.ref(key)
     targets = _check_inputs(cfg, model, store, data)
