@@ -39,7 +39,7 @@ def deploy(pool: str = "rlhf-local", cron: str | None = None, config_path: str |
 
     cfg = load_config(config_path, overrides)
     asyncio.run(ensure_work_pool(pool))
-    flow = rlhf.from_source(source=str(ROOT), entrypoint="flows/rlhf.py:rlhf")
+    flow = rlhf.from_source(source=str(ROOT), entrypoint="deployments/entrypoint.py:rlhf")
     deployment_id = flow.deploy(
         name=name, work_pool_name=pool, cron=cron, parameters={"config": cfg.model_dump(mode="json")},
         description="RLHF: data prep -> PEFT LoRA SFT -> reward model -> PPO on Ray", print_next_steps=False,

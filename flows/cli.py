@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("rlhf").setLevel(logging.INFO)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # local Ray without a token file
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "rlhf")  # stage progress lines reach Prefect's logs
     try:
         cfg = _load(args)
         if args.cmd == "config":

@@ -22,25 +22,13 @@ from pathlib import Path
 from prefect import flow, get_run_logger, task
 
 from flows.config import PipelineConfig, StageResources, validate_config
-from storage.store import ArtifactCorrupt, ArtifactRef, ArtifactStore
+from storage.store import ArtifactRef, ArtifactStore
 
 log = logging.getLogger("rlhf.flow")
 
 
 def open_store(cfg: PipelineConfig) -> ArtifactStore:
     return ArtifactStore(cfg.store.resolved_uri(), cfg.store.storage_options)
-
-
-def artifact_is_good(store: ArtifactStore, key: str) -> bool:
-    """Published, every file present and matching its sha256."""
-    if not store.exists(key):
-        return False
-    try:
-        store.verify(key)
-        return True
-    except (ArtifactCorrupt, FileNotFoundError) as e:
-        log.warning("artifact %s failed its check and will be rebuilt: %s", store.uri_of(key), e)
-        return False
 
 
 def stage_cache_key(stage: str):
@@ -120,10 +108,7 @@ def _run_stage(stage: str, fn, cfg: PipelineConfig, **inputs: ArtifactRef) -> Ar
     cfg = validate_config(cfg)
     _inject_fault(stage)
     store = open_store(cfg)
-    key = expected_key(stage, cfg, inputs)
-    # rebuild on request, or when what is published at the key fails its checksums
-    force = stage in cfg.refresh or "all" in cfg.refresh or (store.exists(key) and not artifact_is_good(store, key))
-    ref = fn(cfg, store, *inputs.values(), force=force)
+    ref = fn(cfg, store, *inputs.values(), force=stage in cfg.refresh or "all" in cfg.refresh)
     get_run_logger().info("%s -> %s", stage, ref.uri)
     publish_prefect_artifact(stage, store, ref)
     return ref
@@ -182,7 +167,10 @@ def submit_stage(t, stage: str, cfg: PipelineConfig, store: ArtifactStore, **inp
     from prefect_ray.context import remote_options
 
     r: StageResources = cfg.resources[stage]
-    stale = not artifact_is_good(store, expected_key(stage, cfg, inputs))  # never reuse what is not there whole
+    key = expected_key(stage, cfg, inputs)
+    stale = not store.is_good(key)  # never reuse what is not there whole
+    if stale and store.exists(key):
+        get_run_logger().warning("%s: %s failed its check and will be rebuilt", stage, store.uri_of(key))
     opts = dict(retries=r.retries, retry_delay_seconds=[r.retry_delay_s * 2**i for i in range(max(r.retries, 1))],
                 refresh_cache=stale or stage in cfg.refresh or "all" in cfg.refresh)
     ray_opts = {"num_cpus": r.num_cpus, **({"num_gpus": r.num_gpus} if r.num_gpus else {}),

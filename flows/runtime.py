@@ -14,7 +14,8 @@ from flows.config import RayConfig
 
 # What every Ray worker must see: where Prefect's API is and where our caches live.
 _FORWARDED_ENV = ("PREFECT_API_URL", "PREFECT_HOME", "RLHF_CACHE", "HF_HOME", "HF_HUB_OFFLINE", "AWS_ENDPOINT_URL",
-                  "FSSPEC_S3_ENDPOINT_URL", "RAY_AUTH_MODE", "PREFECT_LOCAL_STORAGE_PATH")
+                  "FSSPEC_S3_ENDPOINT_URL", "RAY_AUTH_MODE", "PREFECT_LOCAL_STORAGE_PATH",
+                  "PREFECT_LOGGING_EXTRA_LOGGERS")
 
 
 def ray_init_kwargs(cfg: RayConfig) -> dict:

@@ -150,3 +150,33 @@ async def _deployment_schedule(name: str) -> list[str]:
     async with get_client() as c:
         d = await c.read_deployment_by_name(name)
         return [s.schedule.cron for s in d.schedules]
+
+
+def test_retraining_on_new_prompts_reuses_sft_and_rm(store_uri, prefect_api, tmp_path):
+    """What a scheduled retrain sees when only the prompt set changed: SFT and RM are reused."""
+    from tasks.common.builtin import write_task_files
+
+    files = write_task_files(tmp_path / "data")
+    paths = [f"data.sft_path={files['sft']}", f"data.preference_path={files['preference']}",
+             f"data.ptx_path={files['ptx']}", f"data.prompts_path={files['prompts']}"]
+    rlhf_run(store_uri, *[a for s in paths for a in ("--set", s)])
+    lines = files["prompts"].read_text().splitlines()
+    files["prompts"].write_text("\n".join(lines[: len(lines) // 2]) + "\n")  # new data: half the prompts
+    rlhf_run(store_uri, *[a for s in paths for a in ("--set", s)])
+    states = {n: s["state"] for n, s in task_states().items()}
+    assert states == {"data": "Completed", "sft": "Cached", "rm": "Cached", "ppo": "Completed"}, states
+
+
+def test_each_stage_publishes_a_prefect_artifact(store_uri, prefect_api):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    async def read():
+        async with get_client() as c:
+            arts = await c.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[f"rlhf-{s}" for s in ("data", "sft", "rm", "ppo")])))
+            return {a.key: a.data for a in arts}
+
+    arts = asyncio.run(read())
+    assert set(arts) == {"rlhf-data", "rlhf-sft", "rlhf-rm", "rlhf-ppo"}
+    assert "sft/eval_loss" in arts["rlhf-sft"] and "rm/eval_accuracy" in arts["rlhf-rm"]
+    assert "| iteration | reward mean | KL" in arts["rlhf-ppo"] and store_uri in arts["rlhf-ppo"]
