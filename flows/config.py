@@ -14,6 +14,8 @@ from typing import Any, Iterable
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from storage.store import reject_credentials
+
 from tasks.common.model import ModelConfig
 from tasks.data.config import DataConfig
 from tasks.ppo.config import PPOConfig
@@ -21,7 +23,6 @@ from tasks.rm.config import RewardConfig
 from tasks.sft.config import SFTConfig
 
 STAGES = ("data", "sft", "rm", "ppo")
-_SECRET_KEYS = {"key", "secret", "token", "password", "aws_access_key_id", "aws_secret_access_key", "aws_session_token"}
 
 
 class ConfigError(ValueError):
@@ -37,14 +38,7 @@ class StoreConfig(BaseModel):
     @field_validator("storage_options")
     @classmethod
     def _no_credentials(cls, v: dict) -> dict:
-        bad = sorted(k for k in v if k.lower() in _SECRET_KEYS)
-        if bad:
-            raise ValueError(
-                f"store.storage_options has credential keys {bad}: they would be saved with flow "
-                "parameters; set them in the environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, "
-                "or a profile via storage_options.profile) instead"
-            )
-        return v
+        return reject_credentials("store.storage_options", v)
 
     def resolved_uri(self) -> str:
         """file:// URIs relative to the working directory become absolute (Ray workers move)."""

@@ -66,6 +66,21 @@ class ArtifactCorrupt(RuntimeError):
     """A file of a published artifact is missing or does not match its manifest hash."""
 
 
+_CREDENTIAL_KEYS = {"key", "secret", "token", "password", "aws_access_key_id", "aws_secret_access_key", "aws_session_token"}
+
+
+def reject_credentials(field: str, options: Mapping[str, Any]) -> dict:
+    """Storage options are saved with flow parameters and manifests: credentials must come from
+    the environment. Returns the options, or raises naming the field, the keys and the fix."""
+    bad = sorted(k for k in options if k.lower() in _CREDENTIAL_KEYS)
+    if bad:
+        raise ValueError(
+            f"{field} has credential keys {bad}: they would be saved with flow parameters; set them in the "
+            "environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, or a profile via storage_options.profile) instead"
+        )
+    return dict(options)
+
+
 def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

@@ -13,7 +13,7 @@ from tasks.common.model import ModelConfig, load_causal_lm
 from tasks.data.config import DataConfig
 from tasks.data.dataset import read_jsonl
 from tasks.data.prepare import prepare_data
-from tasks.sft import loop
+from tasks.common import loop
 from tasks.sft import train as sft_train
 from tasks.sft.config import SFTConfig
 from tasks.sft.lora import AUTO_TARGETS, resolve_target_modules

@@ -6,8 +6,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from storage.store import reject_credentials
+
 # Keys that would put secrets into flow parameters and manifests (as store.storage_options refuses).
-_SECRET_KEYS = {"key", "secret", "token", "password", "aws_access_key_id", "aws_secret_access_key", "aws_session_token"}
 
 
 class DataConfig(BaseModel):
@@ -43,10 +44,4 @@ class DataConfig(BaseModel):
     @field_validator("storage_options")
     @classmethod
     def _no_credentials(cls, v: dict) -> dict:
-        bad = sorted(k for k in v if k.lower() in _SECRET_KEYS)
-        if bad:
-            raise ValueError(
-                f"data.storage_options has credential keys {bad}: they would be saved with flow parameters; "
-                "set them in the environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, or a profile) instead"
-            )
-        return v
+        return reject_credentials("data.storage_options", v)

@@ -21,7 +21,7 @@ from tasks.data.dataset import collate_pairs, read_jsonl
 from tasks.rm.config import RewardConfig
 from tasks.rm.loss import pairwise_loss
 from tasks.rm.model import build_reward_model, save_reward_model
-from tasks.sft import loop
+from tasks.common import loop
 from tasks.sft.lora import lora_config, model_skeleton, resolve_target_modules
 
 logger = logging.getLogger("rlhf.rm")
@@ -32,7 +32,7 @@ _NOT_IN_KEY = {"log_every"}
 
 def rm_key(cfg: RewardConfig, model: ModelConfig, data: ArtifactRef, seed: int) -> str:
     return stage_key("rm", {"rm": cfg.model_dump(mode="json", exclude=_NOT_IN_KEY), "model": model.identity(), "seed": seed},
-                     {"data": data.only("tokenizer", "pref_train.jsonl", "pref_eval.jsonl")}, code_version("tasks.rm", "tasks.sft.loop", "tasks.sft.lora", "tasks.common"))
+                     {"data": data.only("tokenizer", "pref_train.jsonl", "pref_eval.jsonl")}, code_version("tasks.rm", "tasks.sft.lora", "tasks.common"))
 
 
 def train_reward_model(cfg: RewardConfig, model: ModelConfig, store: ArtifactStore, data: ArtifactRef, seed: int,

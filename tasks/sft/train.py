@@ -26,7 +26,7 @@ from storage.keys import code_version, stage_key
 from storage.store import ArtifactRef, ArtifactStore
 from tasks.common.model import ModelConfig, load_causal_lm, load_tokenizer, pick_device
 from tasks.data.dataset import collate_lm, read_jsonl
-from tasks.sft import loop
+from tasks.common import loop
 from tasks.sft.config import SFTConfig
 from tasks.sft.lora import lora_config, model_skeleton, resolve_target_modules
 from tasks.sft.loss import IGNORE_INDEX, causal_lm_loss
