@@ -104,8 +104,22 @@ def _inject_fault(stage: str) -> None:
             raise RuntimeError(f"injected fault in stage {stage!r} (RLHF_FAIL_ONCE)")
 
 
+def _progress_to_stderr() -> None:
+    """Stage progress lines (loggers ``rlhf.*``) on the Ray worker's stderr, which Ray forwards to
+    the driver's console: the step/loss/reward lines of a run are where the user runs it."""
+    lg = logging.getLogger("rlhf")
+    lg.setLevel(logging.INFO)
+    if not any(getattr(h, "_rlhf", False) for h in lg.handlers):
+        h = logging.StreamHandler()
+        h.setFormatter(logging.Formatter("%(asctime)s %(name)s %(message)s", "%H:%M:%S"))
+        h._rlhf = True
+        lg.addHandler(h)
+        lg.propagate = False
+
+
 def _run_stage(stage: str, fn, cfg: PipelineConfig, **inputs: ArtifactRef) -> ArtifactRef:
     cfg = validate_config(cfg)
+    _progress_to_stderr()
     _inject_fault(stage)
     store = open_store(cfg)
     ref = fn(cfg, store, *inputs.values(), force=stage in cfg.refresh or "all" in cfg.refresh)
