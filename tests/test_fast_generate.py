@@ -104,16 +104,29 @@ def test_masks_and_per_row_eos_stop(setup):
 
 
 def test_logits_match_the_model_forward(setup):
-    """Each step's logits equal a full forward of the model over the sequence so far."""
+    """Every step's logits (prefill and each decode step) equal a full forward of the model over
+    the sequence so far: positions, cache columns, masks and the packed weights are right."""
     model, ids, mask, _ = setup
     fg = FastGenerator(model, max_batch=4, max_len=32)
     seq = fast(fg, ids, mask, eos=-1, greedy=True).sequences
-    full = torch.cat([mask, torch.ones_like(seq[:, ids.shape[1]:])], 1)
+    b, P = ids.shape
+    full = torch.cat([mask, torch.ones_like(seq[:, P:])], 1)
+    got = []
+
+    def record(logits, s):
+        got.append(logits.clone())
+        return seq[:, P + s]
+
     with torch.no_grad():
         want = model(input_ids=seq, attention_mask=full, position_ids=position_ids_from_mask(full)).logits
-        fg.refresh_weights()
-        got_prefill = fg._prefill(ids, mask)
-    torch.testing.assert_close(got_prefill, want[:, ids.shape[1] - 1], rtol=1e-4, atol=1e-4)
+        fg._reset(b, mask)
+        fg._emit(b, record(fg._prefill(ids, mask), 0))
+        for s in range(1, N):
+            fg._decode(b, lambda logits, s=s: record(logits, s))
+    assert len(got) == N
+    for s, logits in enumerate(got):
+        torch.testing.assert_close(logits, want[:, P - 1 + s], rtol=1e-4, atol=1e-4, msg=f"step {s}")
+    assert torch.equal(fg._resp[:b, :N], seq[:, P:])  # the bookkeeping recorded the fed tokens
 
 
 def test_sampling_equals_plain_loop_with_same_generator(setup):
@@ -124,6 +137,20 @@ def test_sampling_equals_plain_loop_with_same_generator(setup):
         b = plain(model, ids, mask, eos, generator=torch.Generator(DEVICE).manual_seed(3), **kw)
         assert torch.equal(a.sequences, b.sequences), kw
         assert torch.equal(a.action_mask, b.action_mask), kw
+
+
+def test_compiled_decode_equals_plain_loop():
+    """The torch.compile'd layer (what runs on CUDA, here through Inductor's CPU backend) traces
+    with no graph break (fullgraph) and decodes the same greedy and seeded tokens."""
+    model = tiny("llama", seed=12)
+    ids, mask = left_padded(seed=13)
+    fg = FastGenerator(model, max_batch=4, max_len=32, compile=True)
+    assert fg.info()["compiled"]
+    assert torch.equal(fast(fg, ids, mask, eos=-1, greedy=True).sequences, plain(model, ids, mask, eos=-1, greedy=True).sequences)
+    kw = dict(temperature=0.8, top_k=30)
+    a = fast(fg, ids, mask, eos=-1, generator=torch.Generator(DEVICE).manual_seed(5), **kw)
+    b = plain(model, ids, mask, eos=-1, generator=torch.Generator(DEVICE).manual_seed(5), **kw)
+    assert torch.equal(a.sequences, b.sequences)
 
 
 def test_smaller_batches_and_repeated_calls_reuse_the_cache(setup):
@@ -228,7 +255,7 @@ def test_peft_update_is_seen_with_bf16_base_and_fp32_adapter():
                                 autocast_adapter_dtype=True).eval()
     assert {p.dtype for n, p in peft_model.named_parameters() if "lora_" in n} == {torch.float32}
     fg = FastGenerator(peft_model, max_batch=4, max_len=32)
-    assert fg._shadow is not None and fg.dtype == torch.bfloat16
+    assert fg.dtype == torch.bfloat16 and fg.weight_copy_bytes() > 0  # merged adapter deltas live in bf16 buffers
     before = fast(fg, ids, mask, eos=-1, greedy=True).sequences
     opt = torch.optim.SGD([p for p in peft_model.parameters() if p.requires_grad], lr=20.0)
     peft_model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()

@@ -165,6 +165,15 @@ def test_top_k_one_and_tiny_top_p_equal_greedy(lm, batch, eos_mid):
     assert torch.equal(p0.sequences, greedy.sequences)
 
 
+def test_sample_next_draws_what_multinomial_draws():
+    """The exponential race is torch.multinomial's own one-sample path: same generator, same tokens."""
+    logits = torch.randn(64, 500, generator=torch.Generator().manual_seed(1)) * 3
+    for temp in (1.0, 0.6):
+        ours = sample_next(logits, temperature=temp, generator=torch.Generator().manual_seed(2))
+        ref = torch.multinomial(torch.softmax(logits / temp, -1), 1, generator=torch.Generator().manual_seed(2))[:, 0]
+        assert torch.equal(ours, ref), temp
+
+
 def test_sample_next_filters():
     probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).repeat(4000, 1)
     logits = probs.log()

@@ -1,109 +1,49 @@
-"""Fast rollouts: a static KV cache and one CUDA graph per batch size for the one-token decode step.
+"""Fast rollouts: a static KV cache, and the whole decode step as one CUDA graph.
 
 ``tasks/ppo/generation.py::generate`` runs Hugging Face's forward once per token; at PPO sizes
-(0.4B, batch 64) each step is ~25 ms of Python and kernel launches for ~0.3 ms of GPU work.
-Here the decode step is our own loop over the model's submodules (embedding, norms, the q/k/v/o
-projections, the MLP, the head: so PEFT LoRA layers and biases are included) with attention over
-a preallocated cache, captured once in a ``torch.cuda.CUDAGraph`` and replayed for every token.
-Sampling runs eagerly on the graph's logits with ``generation.sample_next``, so temperature /
-top-k / top-p / EOS / per-row finished mask mean exactly what they mean in the plain loop.
+(0.4B, batch 64) a step is ~25 ms of Python and kernel launches for well under 1 ms of GPU work.
+Here a decode step is three parts, all captured together in one ``torch.cuda.CUDAGraph`` per
+(batch size, sampling setting) and replayed once per token with no host sync in between:
 
-Layout: cache column ``j < P`` holds prompt token ``j`` (left padding included, masked off);
+1. the forward of one token per row: our own per-layer function (``_layer``) over packed
+   weights — q/k/v as one matmul, gate/up as one — with K/V written into a preallocated cache
+   and attention over all cache columns under an additive mask; on CUDA ``torch.compile``d,
+   which fuses the norms, RoPE, the cache write and SwiGLU around the matmuls;
+2. sampling with ``generation.sample_next`` (temperature, top-k, top-p, the exponential race
+   that ``torch.multinomial`` uses) on a generator registered with the graph, so a seeded rollout
+   draws the same numbers as the plain loop;
+3. bookkeeping on device: pad after EOS, the per-row finished mask, response and action-mask
+   columns, next position and column.
+
+The host asks "has every row finished?" only every ``check_every`` steps (one sync); the tokens
+do not depend on it, only how many wasted steps follow the last EOS.
+
+Cache layout: column ``j < P`` holds prompt token ``j`` (left padding included, masked off);
 response token ``s`` goes to column ``P + s``. Positions come from the attention mask as in the
-plain loop. Each query may always see its own key, so a left-pad row never attends to nothing
-(an all-masked softmax is NaN, and NaN values leak through a 0 weight into real rows).
+plain loop. Each query always sees its own key, so a left-pad row never attends to nothing.
 
-Weights: a graph reads parameters by address. An optimizer step updates them in place, so the
-next replay sees new weights with no copy. When the cache dtype differs from the parameters'
-(fp32 master weights, bf16 rollout), a cast copy of the parameters is kept and refreshed in place
-at the start of each ``generate`` (one pass over the weights, ~1 ms at 0.4B on an H200). If a
-parameter tensor is replaced (``load_state_dict(assign=True)``, re-wrapping), the graphs are
-re-captured automatically.
+Weights: the decode reads a weight set in the cache dtype, built from the model's own modules:
+q/k/v and gate/up concatenated, PEFT LoRA adapters merged (``W + scale * B @ A``), fp32 master
+weights cast. It is rebuilt in place at the start of every ``generate`` (one pass over the
+weights: ~1 ms at 0.4B on an H200), so an optimizer step — in place or not — is always seen, and
+only LoRA deltas move when the base is frozen. Norms, embeddings, the head and other weights
+already in the cache dtype are read where they are, with no copy. If a parameter tensor is
+replaced, the weight set and the graphs are rebuilt.
 
-Supported: Llama-family decoders (Llama, Mistral, Qwen2, Qwen3: ``model.layers[i].self_attn``
-with q/k/v/o_proj, ``rotary_emb``, RMSNorms). Not: sharded parameters (FSDP / ZeRO-3), sliding
-windows, models whose attention is not plain causal softmax attention.
+Supported: Llama-family decoders (Llama, Mistral, Qwen2, Qwen3: RMSNorm, RoPE from the model's
+``rotary_emb``, gated MLP; q/k/v and MLP biases), optionally under plain LoRA adapters. Not:
+sharded parameters (FSDP / ZeRO-3), sliding windows, DoRA, LoRA on the embeddings.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from tasks.ppo.generation import Rollout, _unwrap, position_ids_from_mask, sample_next
-
-
-def _rotate_half(x: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def _rms(x: Tensor, w: Tensor, eps: float) -> Tensor:
-    """LlamaRMSNorm's arithmetic: in fp32, cast back, then the weight."""
-    h = x.float()
-    return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
-def _attn_in(x, ln, eps, wq, bq, wk, bk, wv, bv, qn, kn, cos, sin, nh: int, nkv: int, hd: int):
-    """Norm, q/k/v projections, (Qwen3 q/k norms), RoPE: (b, T, d) -> q (b, nh, T, hd), k, v (b, nkv, T, hd)."""
-    b, T, _ = x.shape
-    h = _rms(x, ln, eps)
-    q = F.linear(h, wq, bq).view(b, T, nh, hd)
-    k = F.linear(h, wk, bk).view(b, T, nkv, hd)
-    v = F.linear(h, wv, bv).view(b, T, nkv, hd).transpose(1, 2)
-    if qn is not None:
-        q, k = _rms(q, qn, eps), _rms(k, kn, eps)
-    q, k = q.transpose(1, 2), k.transpose(1, 2)
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
-
-
-def _attn_out_mlp(x, o, wo, bo, ln, eps, wg, wu, wd):
-    """Output projection + residual, norm, SwiGLU MLP + residual: (b, T, d) -> (b, T, d)."""
-    x = x + F.linear(o.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1), wo, bo)
-    h = _rms(x, ln, eps)
-    return x + F.linear(F.silu(F.linear(h, wg)) * F.linear(h, wu), wd)
-
-
-def _plain_layers(lm, layers) -> bool:
-    """Whether every projection is a bare nn.Linear (no LoRA wrapper) with SiLU MLP and RMSNorms,
-    so the decode step can run as two pure functions (what torch.compile fuses best)."""
-    if getattr(lm.config, "hidden_act", None) != "silu":
-        return False
-    for layer in layers:
-        a, m = layer.self_attn, layer.mlp
-        projs = [getattr(a, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
-        projs += [getattr(m, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
-        if any(type(p) is not torch.nn.Linear for p in projs) or any(p.bias is not None for p in projs[3:]):
-            return False
-        norms = [layer.input_layernorm, layer.post_attention_layernorm] + [getattr(a, n) for n in ("q_norm", "k_norm") if hasattr(a, n)]
-        if not all(hasattr(n, "variance_epsilon") and isinstance(getattr(n, "weight", None), torch.Tensor) for n in norms):
-            return False
-    return True
-
-
-def _decoder_parts(model):
-    """(embed, layers, final norm, lm_head, rotary) of a Llama-style causal LM, or a ValueError."""
-    lm = _unwrap(model)
-    inner = getattr(lm, "model", None)
-    parts = [getattr(inner, n, None) for n in ("embed_tokens", "layers", "norm", "rotary_emb")]
-    head = getattr(lm, "lm_head", None)
-    attn = getattr(parts[1][0], "self_attn", None) if parts[1] is not None and len(parts[1]) else None
-    if any(p is None for p in parts) or head is None or attn is None or not all(
-        hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")
-    ):
-        raise ValueError(
-            f"FastGenerator: {type(lm).__name__} is not a Llama-style decoder (model.embed_tokens, "
-            "model.layers[i].self_attn.{q,k,v,o}_proj, model.norm, model.rotary_emb, lm_head); "
-            "use tasks.ppo.generation.generate for this model"
-        )
-    if getattr(lm.config, "sliding_window", None) and getattr(lm.config, "use_sliding_window", True):
-        raise ValueError(f"FastGenerator: sliding-window attention (config.sliding_window={lm.config.sliding_window}) is not supported")
-    embed, layers, norm, rotary = parts
-    return lm, embed, layers, norm, head, rotary
-
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -142,17 +82,132 @@ def check_fast_generate(mode: str, strategy: str, model_cfg) -> None:
     fast_generate_applies(mode, strategy, "cpu", config)
 
 
+# ----------------------------------------------------------------------------- the model, by hand
+
+class Dims(NamedTuple):
+    n_heads: int
+    n_kv: int
+    head_dim: int
+    scale: float
+    eps: float
+
+
+def _rms(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    """LlamaRMSNorm's arithmetic: in fp32, cast back, then the weight."""
+    h = x.float()
+    return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def _layer(x: Tensor, kc: Tensor, vc: Tensor, cols: Tensor, mask: Tensor, cos: Tensor, sin: Tensor,
+           w: tuple, d: Dims, act: Callable) -> Tensor:
+    """One decoder layer over T new tokens per row: (b, T, dm) -> (b, T, dm); writes their K/V.
+
+    kc, vc: (b, n_kv, L, head_dim) cache, written at ``cols`` (T,). cos, sin: (b, 1, T, head_dim).
+    w: (ln1, wqkv, bqkv, q_norm, k_norm, wo, bo, ln2, wgu, bgu, wd, bd) with q/k/v and gate/up
+    packed. mask, T == 1 (decode): additive (b, 1, 1, L) over every cache column; T > 1 (prefill,
+    ``cols`` = 0..T-1): bool (b, 1, T, T) over the prompt's columns.
+    """
+    ln1, wqkv, bqkv, qn, kn, wo, bo, ln2, wgu, bgu, wd, bd = w
+    b, T, _ = x.shape
+    nq, nkv, hd = d.n_heads * d.head_dim, d.n_kv * d.head_dim, d.head_dim
+    q, k, v = F.linear(_rms(x, ln1, d.eps), wqkv, bqkv).split([nq, nkv, nkv], dim=-1)
+    q, k, v = q.view(b, T, d.n_heads, hd), k.view(b, T, d.n_kv, hd), v.view(b, T, d.n_kv, hd)
+    if qn is not None:  # Qwen3: RMSNorm over head_dim before RoPE
+        q, k = _rms(q, qn, d.eps), _rms(k, kn, d.eps)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+    kc.index_copy_(2, cols, k)
+    vc.index_copy_(2, cols, v)
+    if T == 1:  # grouped-query decode without repeating K/V: a group's heads are its queries
+        g = d.n_heads // d.n_kv
+        o = F.scaled_dot_product_attention(q.reshape(b, d.n_kv, g, hd), kc, vc, attn_mask=mask, scale=d.scale)
+        o = o.reshape(b, 1, nq)
+    else:
+        o = F.scaled_dot_product_attention(q, kc[:, :, :T], vc[:, :, :T], attn_mask=mask, scale=d.scale,
+                                           enable_gqa=d.n_kv != d.n_heads)
+        o = o.transpose(1, 2).reshape(b, T, nq)
+    x = x + F.linear(o, wo, bo)
+    gate, up = F.linear(_rms(x, ln2, d.eps), wgu, bgu).chunk(2, dim=-1)
+    return x + F.linear(act(gate) * up, wd, bd)
+
+
+# ----------------------------------------------------------------------------- weights
+
+def _linear_weight(m, name: str) -> tuple[Tensor, Tensor | None]:
+    """(weight, bias) that ``m`` applies: an nn.Linear's own, or a PEFT LoRA layer's base weight
+    plus its active adapters' deltas (``get_delta_weight``: scale * B @ A)."""
+    if type(m) is torch.nn.Linear:
+        return m.weight, m.bias
+    base = getattr(m, "base_layer", None)
+    if type(base) is not torch.nn.Linear or not hasattr(m, "get_delta_weight"):
+        raise ValueError(f"FastGenerator: {name} is a {type(m).__name__}, not an nn.Linear or a PEFT LoRA Linear")
+    w = base.weight
+    if not getattr(m, "merged", False) and not getattr(m, "disable_adapters", False):
+        for a in m.active_adapters:
+            if a not in m.lora_A:
+                continue
+            if getattr(m, "use_dora", {}).get(a) or getattr(m, "lora_bias", {}).get(a):
+                raise ValueError(f"FastGenerator: {name} uses DoRA or a LoRA bias (adapter {a!r}); use ppo.fast_generate 'off'")
+            w = w + m.get_delta_weight(a)
+    return w, base.bias
+
+
+def _linear_bias(m) -> Tensor | None:
+    return m.bias if type(m) is torch.nn.Linear else getattr(getattr(m, "base_layer", None), "bias", None)
+
+
+def _packed_bias(mods) -> Tensor | None:
+    """The biases of ``mods`` concatenated (zeros for one without), or None when none has one."""
+    biases = [_linear_bias(m) for m in mods]
+    if all(b is None for b in biases):
+        return None
+    ref = next(b for b in biases if b is not None)
+    return torch.cat([b if b is not None else ref.new_zeros(_out_features(m)) for b, m in zip(biases, mods)])
+
+
+def _out_features(m) -> int:
+    return (m if type(m) is torch.nn.Linear else m.base_layer).out_features
+
+
+def _decoder_parts(model):
+    """(lm, embed, layers, final norm, lm_head, rotary) of a Llama-style causal LM, or a ValueError."""
+    lm = _unwrap(model)
+    inner = getattr(lm, "model", None)
+    parts = [getattr(inner, n, None) for n in ("embed_tokens", "layers", "norm", "rotary_emb")]
+    head = getattr(lm, "lm_head", None)
+    layer0 = parts[1][0] if parts[1] is not None and len(parts[1]) else None
+    attn, mlp = getattr(layer0, "self_attn", None), getattr(layer0, "mlp", None)
+    if any(p is None for p in parts) or head is None or attn is None or mlp is None or not all(
+        hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")) or not all(
+        hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")
+    ):
+        raise ValueError(
+            f"FastGenerator: {type(lm).__name__} is not a Llama-style decoder (model.embed_tokens, "
+            "model.layers[i].self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj, model.norm, model.rotary_emb, "
+            "lm_head); use tasks.ppo.generation.generate for this model"
+        )
+    if getattr(lm.config, "sliding_window", None) and getattr(lm.config, "use_sliding_window", True):
+        raise ValueError(f"FastGenerator: sliding-window attention (config.sliding_window={lm.config.sliding_window}) is not supported")
+    if type(parts[0]) is not torch.nn.Embedding:
+        raise ValueError(f"FastGenerator: the embedding is a {type(parts[0]).__name__} (LoRA on embeddings is not supported)")
+    embed, layers, norm, rotary = parts
+    return lm, embed, layers, norm, head, rotary
+
+
 class FastGenerator:
     """Rollouts for one model with a static cache of ``max_batch`` rows x ``max_len`` columns.
 
     ``use_cuda_graph``: capture the decode step (CUDA only; on CPU the same code runs eagerly).
-    ``dtype``: cache and compute dtype (default: the parameters' dtype).
-    ``check_every``: decode steps between host checks of "all rows finished" (a device sync);
-    the tokens are the same for any value, only the number of wasted steps after the last EOS.
-    ``compile``: torch.compile the two per-layer pieces of the decode step (default: on CUDA).
-    A 0.4B decode step is ~35 small kernels a layer; the GPU time goes to their fixed cost, not
-    to the weights, so fusing the norms, RoPE and SwiGLU is what makes the graph fast. Models
-    with LoRA-wrapped or otherwise non-plain layers run the (uncompiled) module-call path.
+    ``dtype``: cache and compute dtype (default: the dtype of the model's first parameter).
+    ``check_every``: decode steps between host checks of "all rows finished".
+    ``compile``: ``torch.compile`` the per-layer decode function (default: on CUDA). A decode
+    step is ~15 small kernels a layer; their fixed cost, not reading the weights, is the GPU time,
+    so fusing the norms, RoPE, the cache write and SwiGLU is what makes the graph fast.
     """
 
     def __init__(self, model, max_batch: int, max_len: int, dtype: torch.dtype | None = None,
@@ -162,175 +217,167 @@ class FastGenerator:
         self.lm, self.embed, self.layers, self.norm, self.head, rotary = _decoder_parts(model)
         p0 = next(self.lm.parameters())
         self.device = torch.device(device) if device is not None else p0.device
-        self.dtype = dtype or p0.dtype
         if self.device != p0.device:
             raise ValueError(f"FastGenerator: device ({self.device}) differs from the model's ({p0.device}); move the model first")
+        self.dtype = dtype or p0.dtype
         self.use_cuda_graph = use_cuda_graph and self.device.type == "cuda"
-        self.max_batch, self.max_len, self.check_every = int(max_batch), int(max_len), max(1, int(check_every))
-        cfg = self.lm.config
-        attn0 = self.layers[0].self_attn
-        self.head_dim = getattr(attn0, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.n_heads = cfg.num_attention_heads
-        self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
-        self.scaling = getattr(attn0, "scaling", self.head_dim ** -0.5)
+        self.max_batch, self.check_every = int(max_batch), max(1, int(check_every))
+        self.max_len = -(-int(max_len) // 8) * 8  # mask rows 16-byte aligned for the fused attention kernels
+        cfg, attn0 = self.lm.config, self.layers[0].self_attn
+        head_dim = getattr(attn0, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        n_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.dims = Dims(cfg.num_attention_heads, n_kv, head_dim, float(getattr(attn0, "scaling", head_dim ** -0.5)),
+                         float(self.norm.variance_epsilon))
+        self.act = self.layers[0].mlp.act_fn
 
         kw = dict(device=self.device, dtype=self.dtype)
-        shape = (self.max_batch, self.n_kv, self.max_len, self.head_dim)
+        shape = (self.max_batch, n_kv, self.max_len, head_dim)
         self.k_cache = [torch.zeros(shape, **kw) for _ in self.layers]
         self.v_cache = [torch.zeros(shape, **kw) for _ in self.layers]
         with torch.no_grad():  # the rotary table once, with the model's own rotary module
-            pos = torch.arange(self.max_len, device=self.device)[None]
-            cos, sin = rotary(torch.zeros((), **kw), pos)
+            cos, sin = rotary(torch.zeros((), **kw), torch.arange(self.max_len, device=self.device)[None])
         self.cos, self.sin = cos[0].to(self.dtype), sin[0].to(self.dtype)  # (max_len, head_dim)
 
-        # static inputs of the captured step (sliced to the batch size of each graph)
-        self._tok = torch.zeros(self.max_batch, dtype=torch.long, device=self.device)
-        self._pos = torch.zeros(self.max_batch, dtype=torch.long, device=self.device)
-        self._col = torch.zeros(1, dtype=torch.long, device=self.device)
-        self._valid = torch.zeros(self.max_batch, self.max_len, dtype=torch.bool, device=self.device)
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        # the decode step's state, on device (graphs read and write these by address)
+        B, L, long = self.max_batch, self.max_len, dict(dtype=torch.long, device=self.device)
+        self._tok, self._pos = torch.zeros(B, **long), torch.zeros(B, **long)
+        self._col, self._step = torch.zeros(1, **long), torch.zeros(1, **long)
+        self._eos, self._pad = torch.zeros((), **long), torch.zeros((), **long)
+        self._bias = torch.zeros(B, 1, 1, L, **kw)  # 0 where a row may attend, dtype's min elsewhere
+        self._finished = torch.zeros(B, dtype=torch.bool, device=self.device)
+        self._resp, self._act = torch.zeros(B, L, **long), torch.zeros(B, L, **long)
+        self._rng = torch.Generator(self.device) if self.use_cuda_graph else None
+        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._pool = None
-        self._shadow: dict[str, Tensor] | None = None
-        self._param_ptrs = self._pointers()
-        if any(p.dtype != self.dtype for p in self.lm.parameters() if p.is_floating_point()):
-            self._shadow = {n: p.detach().to(self.dtype) if p.is_floating_point() else p.detach()
-                            for n, p in self.lm.named_parameters()}
-        self.functional = _plain_layers(self.lm, self.layers)
-        self._bind_weights()
+
+        self._build_weights()
         want_compile = self.device.type == "cuda" if compile is None else compile
-        self._attn_in_step = torch.compile(_attn_in, dynamic=False) if want_compile and self.functional else _attn_in
-        self._attn_out_step = torch.compile(_attn_out_mlp, dynamic=False) if want_compile and self.functional else _attn_out_mlp
+        self._decode_layer = torch.compile(_layer, dynamic=False, fullgraph=True) if want_compile else _layer
 
     # ------------------------------------------------------------------ weights
 
-    def _bind_weights(self) -> None:
-        """Per-layer weight tuples for the functional path: the parameters themselves, or the shadow."""
-        if not self.functional:
-            return
-        names = {id(p): n for n, p in self.lm.named_parameters()}
-        src = self._shadow if self._shadow is not None else dict(self.lm.named_parameters())
+    def _build_weights(self) -> None:
+        """The decode weight set: for every entry a recipe (reads the modules' current tensors)
+        and a buffer; an entry whose recipe returns a parameter as it is needs no buffer."""
+        names = {id(m): n for n, m in self.lm.named_modules()}
 
-        def w(t):
-            return None if t is None else src[names[id(t)]].detach()
+        def weight(*mods):  # one module's weight, or several packed along the output dimension
+            ws = [_linear_weight(m, names.get(id(m), type(m).__name__))[0] for m in mods]
+            return ws[0] if len(ws) == 1 else torch.cat(ws)
 
-        self._w_embed, self._w_norm, self._w_head = w(self.embed.weight), w(self.norm.weight), w(self.head.weight)
-        self._b_head = w(getattr(self.head, "bias", None))
-        self._eps = self.norm.variance_epsilon
-        self._w_layers = []
-        for layer in self.layers:
+        recipes: list[Callable[[], Tensor | None]] = [
+            lambda: self.embed.weight, lambda: self.norm.weight, lambda: weight(self.head), lambda: _linear_bias(self.head)]
+        for layer in self.layers:  # in the order of _layer's ``w``
             a, m = layer.self_attn, layer.mlp
-            qn, kn = (w(a.q_norm.weight), w(a.k_norm.weight)) if hasattr(a, "q_norm") else (None, None)
-            self._w_layers.append((
-                (w(layer.input_layernorm.weight), layer.input_layernorm.variance_epsilon,
-                 w(a.q_proj.weight), w(a.q_proj.bias), w(a.k_proj.weight), w(a.k_proj.bias),
-                 w(a.v_proj.weight), w(a.v_proj.bias), qn, kn),
-                (w(a.o_proj.weight), w(a.o_proj.bias), w(layer.post_attention_layernorm.weight),
-                 layer.post_attention_layernorm.variance_epsilon, w(m.gate_proj.weight), w(m.up_proj.weight),
-                 w(m.down_proj.weight)),
-            ))
+            qkv, gu = (a.q_proj, a.k_proj, a.v_proj), (m.gate_proj, m.up_proj)
+            qkn = [(lambda a=a: a.q_norm.weight), (lambda a=a: a.k_norm.weight)] if hasattr(a, "q_norm") else [lambda: None] * 2
+            recipes += [lambda layer=layer: layer.input_layernorm.weight, lambda qkv=qkv: weight(*qkv),
+                        lambda qkv=qkv: _packed_bias(qkv), *qkn,
+                        lambda a=a: weight(a.o_proj), lambda a=a: _linear_bias(a.o_proj),
+                        lambda layer=layer: layer.post_attention_layernorm.weight,
+                        lambda gu=gu: weight(*gu), lambda gu=gu: _packed_bias(gu),
+                        lambda m=m: weight(m.down_proj), lambda m=m: _linear_bias(m.down_proj)]
+        self._recipes = recipes
+        with torch.no_grad():
+            made = [r() for r in recipes]
+            self._params = {id(p) for p in self.lm.parameters()}
+            # a parameter already in the cache dtype is read where it is; anything else is a buffer
+            self._direct = [t is None or (id(t) in self._params and t.dtype == self.dtype) for t in made]
+            self._weights = [None if t is None else t.detach() if direct else t.detach().to(self.dtype).clone()
+                             for t, direct in zip(made, self._direct)]
+        self._param_ptrs = self._pointers()
+        w, n = self._weights, 12
+        self._w_embed, self._w_norm, self._w_head, self._b_head = w[:4]
+        self._w_layers = [tuple(w[4 + i * n: 4 + (i + 1) * n]) for i in range(len(self.layers))]
 
     def _pointers(self) -> list[int]:
         return [p.data_ptr() for p in self.lm.parameters()]
 
     def refresh_weights(self) -> None:
-        """Make the next decode use the model's current parameters.
-
-        In-place updates need nothing (graphs read the same memory); this re-casts the shadow
-        copy when there is one and drops the graphs if any parameter tensor was replaced.
-        ``generate`` calls it first.
-        """
-        ptrs = self._pointers()
-        if ptrs != self._param_ptrs:
+        """Make the next decode use the model's current parameters (``generate`` calls it first):
+        re-fills the packed / merged / cast buffers in place; if any parameter tensor was replaced,
+        rebuilds the weight set and drops the graphs (they read the old addresses)."""
+        if self._pointers() != self._param_ptrs:
             self._graphs.clear()
-            self._param_ptrs = ptrs
-            if self._shadow is not None:
-                self._shadow = {n: p.detach().to(self.dtype) if p.is_floating_point() else p.detach()
-                                for n, p in self.lm.named_parameters()}
-            self._bind_weights()
+            self._build_weights()
             return
-        if self._shadow is not None:
-            with torch.no_grad():
-                names = [n for n, p in self.lm.named_parameters() if p.is_floating_point()]
-                params = dict(self.lm.named_parameters())
-                torch._foreach_copy_([self._shadow[n] for n in names], [params[n].detach() for n in names])
+        with torch.no_grad():
+            for r, buf, direct in zip(self._recipes, self._weights, self._direct):
+                if not direct:
+                    buf.copy_(r())
 
-    def _with_weights(self, fn, *args):
-        if self._shadow is None or self.functional:
-            return fn(*args)
-        from torch.nn.utils.stateless import _reparametrize_module  # what torch.func.functional_call uses
+    def weight_copy_bytes(self) -> int:
+        """GPU memory the decode weight set adds on top of the model (packed / merged / cast copies)."""
+        return sum(t.numel() * t.element_size() for t, d in zip(self._weights, self._direct) if not d)
 
-        with _reparametrize_module(self.lm, self._shadow, tie_weights=True):
-            return fn(*args)
+    # ------------------------------------------------------------------ steps
 
-    # ------------------------------------------------------------------ the model, by hand
-
-    def _forward(self, ids: Tensor, pos: Tensor, cols: Tensor, mask: Tensor) -> Tensor:
-        """Hidden states -> logits of the last position: ids, pos (b, T); K/V written to ``cols``.
-
-        mask: (b, 1, T, max_len) bool, True where query t may attend to cache column j.
-        """
-        b, T = ids.shape
-        cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # (b, 1, T, D)
-        gqa = self.n_kv != self.n_heads
-        if self.functional:
-            attn_in, attn_out = (self._attn_in_step, self._attn_out_step) if T == 1 else (_attn_in, _attn_out_mlp)
-            x = F.embedding(ids, self._w_embed)
-            for i, (w_in, w_out) in enumerate(self._w_layers):
-                q, k, v = attn_in(x, *w_in, cos, sin, self.n_heads, self.n_kv, self.head_dim)
-                kc, vc = self.k_cache[i][:b], self.v_cache[i][:b]
-                kc.index_copy_(2, cols, k)
-                vc.index_copy_(2, cols, v)
-                o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, scale=self.scaling, enable_gqa=gqa)
-                x = attn_out(x, o, *w_out)
-            return F.linear(_rms(x[:, -1], self._w_norm, self._eps), self._w_head, self._b_head)
-        x = self.embed(ids).to(self.dtype)
-        for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = attn.q_proj(h).view(b, T, self.n_heads, self.head_dim)
-            k = attn.k_proj(h).view(b, T, self.n_kv, self.head_dim)
-            v = attn.v_proj(h).view(b, T, self.n_kv, self.head_dim).transpose(1, 2)
-            if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over head_dim before RoPE
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            q, k = q.transpose(1, 2), k.transpose(1, 2)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            kc, vc = self.k_cache[i][:b], self.v_cache[i][:b]
-            kc.index_copy_(2, cols, k.to(self.dtype))
-            vc.index_copy_(2, cols, v.to(self.dtype))
-            o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, scale=self.scaling, enable_gqa=gqa)
-            x = x + attn.o_proj(o.transpose(1, 2).reshape(b, T, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.head(self.norm(x[:, -1]))
+    def _forward(self, ids: Tensor, pos: Tensor, cols: Tensor, mask: Tensor, layer_fn) -> Tensor:
+        """ids, pos (b, T) -> logits of the last position (b, V); K/V written at ``cols``."""
+        b = ids.shape[0]
+        x = F.embedding(ids, self._w_embed).to(self.dtype)
+        cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]
+        for i, w in enumerate(self._w_layers):
+            x = layer_fn(x, self.k_cache[i][:b], self.v_cache[i][:b], cols, mask, cos, sin, w, self.dims, self.act)
+        return F.linear(_rms(x[:, -1], self._w_norm, self.dims.eps), self._w_head, self._b_head)
 
     def _prefill(self, input_ids: Tensor, attn: Tensor) -> Tensor:
-        b, P = input_ids.shape
+        """The prompts (b, P) into cache columns 0..P-1 (eager: once a rollout) -> next-token logits (b, V)."""
+        P = input_ids.shape[1]
         cols = torch.arange(P, device=self.device)
-        causal = cols[None, :] <= cols[:, None]  # (P, P)
-        mask = torch.zeros(b, 1, P, self.max_len, dtype=torch.bool, device=self.device)
-        mask[:, 0, :, :P] = (causal[None] & attn.bool()[:, None, :]) | torch.eye(P, dtype=torch.bool, device=self.device)
-        return self._with_weights(self._forward, input_ids, position_ids_from_mask(attn), cols, mask)
+        causal = cols[None, :] <= cols[:, None]
+        mask = (causal[None] & attn.bool()[:, None, :]) | torch.eye(P, dtype=torch.bool, device=self.device)
+        return self._forward(input_ids, position_ids_from_mask(attn), cols, mask[:, None], _layer)
 
-    def _step(self, b: int) -> Tensor:
-        """One decode step from the static buffers: token ``_tok`` at position ``_pos``, column ``_col``."""
-        valid = self._valid[:b]
-        valid.index_fill_(1, self._col, True)
-        return self._with_weights(self._forward, self._tok[:b, None], self._pos[:b, None], self._col, valid[:, None, None, :])
+    def _emit(self, b: int, token: Tensor) -> None:
+        """Record the sampled ``token`` (b,) as response column ``_step``: pad after EOS, action
+        mask, finished flags; it is the next step's input."""
+        fin = self._finished[:b]
+        token = torch.where(fin, self._pad, token)
+        self._resp[:b].index_copy_(1, self._step, token[:, None])
+        self._act[:b].index_copy_(1, self._step, (~fin).long()[:, None])
+        fin |= token == self._eos
+        self._tok[:b].copy_(token)
+        self._step += 1
 
-    def _graph(self, b: int) -> tuple[torch.cuda.CUDAGraph, Tensor]:
-        if b not in self._graphs:
+    def _decode(self, b: int, sample: Callable[[Tensor], Tensor]) -> None:
+        """One decode step from the state buffers (what the graph holds)."""
+        bias = self._bias[:b]
+        bias.index_fill_(-1, self._col, 0.0)  # the new token's own column becomes visible
+        logits = self._forward(self._tok[:b, None], self._pos[:b, None], self._col, bias, self._decode_layer)
+        self._emit(b, sample(logits))
+        self._pos[:b] += 1
+        self._col += 1
+
+    def _reset(self, b: int, attn: Tensor | None = None, pad: int = 0) -> None:
+        """State for a new rollout of ``b`` rows (prompt attention mask ``attn``, (b, P))."""
+        P = 0 if attn is None else attn.shape[1]
+        self._bias[:b].fill_(torch.finfo(self.dtype).min)
+        if attn is not None:
+            self._bias[:b, 0, 0, :P].masked_fill_(attn.bool(), 0.0)
+            self._pos[:b] = attn.sum(-1)
+        self._col.fill_(P)
+        self._step.zero_()
+        self._finished[:b].zero_()
+        self._resp[:b].fill_(pad)
+        self._act[:b].zero_()
+
+    def _graph(self, b: int, key: tuple, sample: Callable[[Tensor], Tensor]) -> torch.cuda.CUDAGraph:
+        if key not in self._graphs:
+            self._reset(b)  # warm-up steps write columns 0, 1, 2: in range whatever came before
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up outside capture (cuBLAS handles, workspaces)
+            with torch.cuda.stream(side):  # outside capture: compilation, cuBLAS handles, workspaces
                 for _ in range(2):
-                    self._step(b)
+                    self._decode(b, sample)
             torch.cuda.current_stream().wait_stream(side)
             g = torch.cuda.CUDAGraph()
+            g.register_generator_state(self._rng)
             with torch.cuda.graph(g, pool=self._pool):
-                out = self._step(b)
+                self._decode(b, sample)
             self._pool = g.pool()
-            self._graphs[b] = (g, out)
-        return self._graphs[b]
+            self._graphs[key] = g
+        return self._graphs[key]
 
     # ------------------------------------------------------------------ rollout
 
@@ -343,7 +390,9 @@ class FastGenerator:
     ) -> Rollout:
         """Same contract and result as ``tasks.ppo.generation.generate`` (LEFT-padded (B, P) prompts).
 
-        ``all_finished`` is asked every ``check_every`` steps instead of every step.
+        ``all_finished`` is asked every ``check_every`` steps instead of every step. With the
+        same ``generator`` state the sampled tokens equal the plain loop's; the generator ends
+        advanced by the steps actually run (up to ``check_every - 1`` more than the plain loop).
         """
         b, P = input_ids.shape
         N = max_new_tokens
@@ -352,52 +401,44 @@ class FastGenerator:
                 f"FastGenerator: batch {b} x (prompt {P} + max_new_tokens {N}) does not fit the cache "
                 f"(max_batch={self.max_batch}, max_len={self.max_len}); build it with larger sizes"
             )
-        device = input_ids.device
         attn = attention_mask.long()
-        responses = torch.full((b, N), pad_token_id, dtype=torch.long, device=device)
-        resp_attn = torch.zeros((b, N), dtype=torch.long, device=device)
-        finished = torch.zeros(b, dtype=torch.bool, device=device)
-        pad = torch.full((b,), pad_token_id, dtype=torch.long, device=device)
+        self.refresh_weights()
+        self._eos.fill_(eos_token_id)
+        self._pad.fill_(pad_token_id)
+        graph, source, rng = None, generator, generator
+        if self.use_cuda_graph:
+            rng = self._rng
+            sample = lambda logits: sample_next(logits, temperature, top_k, top_p, rng, greedy)  # noqa: E731
+            graph = self._graph(b, (b, float(temperature), int(top_k), float(top_p), bool(greedy)), sample)
+            if source is None:
+                source = torch.cuda.default_generators[self.device.index if self.device.index is not None else torch.cuda.current_device()]
+            rng.set_state(source.get_state())  # after capture: its warm-up steps drew numbers too
+        else:
+            sample = lambda logits: sample_next(logits, temperature, top_k, top_p, rng, greedy)  # noqa: E731
 
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            self.refresh_weights()
-            logits = self._prefill(input_ids, attn)
-            self._valid[:b].zero_()
-            self._valid[:b, :P] = attn.bool()
-            self._pos[:b] = attn.sum(-1)
-            self._col.fill_(P)
-            step_fn = self._graph(b) if self.use_cuda_graph else None
-            for step in range(N):
-                token = sample_next(logits, temperature, top_k, top_p, generator, greedy)
-                token = torch.where(finished, pad, token)
-                responses[:, step] = token
-                resp_attn[:, step] = (~finished).long()
-                finished |= token == eos_token_id
-                if step == N - 1:
+        self._reset(b, attn, pad_token_id)
+        self._emit(b, sample(self._prefill(input_ids, attn)))
+        for step in range(1, N):
+            if step % self.check_every == 0:
+                done = bool(self._finished[:b].all())
+                if (all_finished(done) if all_finished is not None else done):
                     break
-                if (step + 1) % self.check_every == 0:
-                    done = bool(finished.all())
-                    if all_finished is not None:
-                        done = bool(all_finished(done))
-                    if done:
-                        break
-                self._tok[:b].copy_(token)
-                if step > 0:
-                    self._pos[:b] += 1
-                    self._col += 1
-                if step_fn is not None:
-                    step_fn[0].replay()
-                    logits = step_fn[1]
-                else:
-                    logits = self._step(b)
-        finally:
-            self.model.train(was_training)
+            if graph is not None:
+                graph.replay()
+            else:
+                self._decode(b, sample)
+        if graph is not None:
+            source.set_state(rng.get_state())
 
+        responses, act = self._resp[:b, :N].clone(), self._act[:b, :N].clone()
         return Rollout(
             sequences=torch.cat([input_ids, responses], dim=1),
-            attention_mask=torch.cat([attn, resp_attn], dim=1),
-            action_mask=resp_attn.float(),
+            attention_mask=torch.cat([attn, act], dim=1),
+            action_mask=act.float(),
             ended_with_eos=(responses == eos_token_id).any(-1),
         )
+
+    def info(self) -> dict:
+        """What the decode runs with: {'cuda_graphs', 'graph_batch_sizes', 'weight_copy_gib', 'compiled'}."""
+        return {"cuda_graphs": self.use_cuda_graph, "graph_batch_sizes": sorted({k[0] for k in self._graphs}),
+                "weight_copy_gib": self.weight_copy_bytes() / 2**30, "compiled": self._decode_layer is not _layer}

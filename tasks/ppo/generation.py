@@ -43,25 +43,29 @@ def sample_next(
     Order as in Hugging Face's sampler: divide by ``temperature``, keep the ``top_k`` largest
     (0: all; ties at the k-th value are kept), then the smallest set whose probability reaches
     ``top_p`` (the most likely token always stays), then sample. ``greedy``: argmax, no filtering.
+
+    The draw is ``argmax(p / q)`` with ``q ~ Exp(1)`` per entry: the same random numbers and the
+    same tokens as ``torch.multinomial(p, 1, generator=g)`` (which does exactly this for one
+    sample), minus its host-side validity checks, so the function can be captured in a CUDA graph
+    (``tasks/ppo/fast_generate.py``): no host sync, no tensor built from a Python number.
     """
     if greedy:
         return logits.argmax(-1)
     if temperature <= 0:
         raise ValueError(f"sample_next: temperature ({temperature}) must be > 0; use greedy=True for argmax")
     x = logits.float() / temperature
-    neg_inf = torch.tensor(float("-inf"), device=x.device)
     if 0 < top_k < x.shape[-1]:
         kth = torch.topk(x, top_k, dim=-1).values[:, -1:]
-        x = torch.where(x < kth, neg_inf, x)
+        x = x.masked_fill(x < kth, float("-inf"))
     if top_p < 1.0:
         sorted_x, order = torch.sort(x, dim=-1, descending=True)
         probs = torch.softmax(sorted_x, -1)
         # drop a token when the tokens ranked above it already reach top_p
         drop_sorted = (probs.cumsum(-1) - probs) >= top_p
         drop_sorted[:, 0] = False
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        x = torch.where(drop, neg_inf, x)
-    return torch.multinomial(torch.softmax(x, -1), 1, generator=generator).squeeze(-1)
+        x = x.masked_fill(torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted), float("-inf"))
+    p = torch.softmax(x, -1)
+    return (p / torch.empty_like(p).exponential_(1.0, generator=generator)).argmax(-1)
 
 
 def _unwrap(model):
@@ -145,9 +149,11 @@ def generate(
 
 def _action_logits(model, sequences: Tensor, attention_mask: Tensor, num_actions: int, temperature: float) -> Tensor:
     """Logits that predicted the last ``num_actions`` tokens, fp32, divided by temperature: (B, N, V)."""
+    # position t's logits predict token t+1: the N actions are predicted by positions -N-1 .. -2,
+    # so only those N+1 positions go through the LM head (``logits_to_keep``; the prompt's do not)
+    kw = {"logits_to_keep": num_actions + 1} if "logits_to_keep" in inspect.signature(_unwrap(model).forward).parameters else {}
     out = model(input_ids=sequences, attention_mask=attention_mask,
-                position_ids=position_ids_from_mask(attention_mask), use_cache=False)
-    # position t's logits predict token t+1: the N actions are predicted by positions -N-1 .. -2
+                position_ids=position_ids_from_mask(attention_mask), use_cache=False, **kw)
     return out.logits[:, -num_actions - 1 : -1, :].float() / temperature
 
 
