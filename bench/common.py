@@ -49,6 +49,17 @@ def build_scalar_model(shape: str, device: str, dtype=torch.float32, seed: int =
         return LlamaForSequenceClassification(cfg).to(dtype)
 
 
+def build_value_model(shape: str, device: str, dtype=torch.float32, seed: int = 1):
+    """Critic / reward model as the PPO stage builds them: tasks.rm.model.RewardModel over the body."""
+    from transformers import LlamaModel
+
+    from tasks.rm.model import RewardModel
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        return RewardModel(LlamaModel(llama_config(shape))).to(dtype)
+
+
 def n_params(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
@@ -108,6 +119,38 @@ def matmul_tflops(n: int = 8192, reps: int = 10) -> float:
         a @ b
     sync()
     return 2 * n**3 * reps / (time.perf_counter() - t) / 1e12
+
+
+def copy_gbps(gib: float = 2.0, reps: int = 10) -> float:
+    """Measured device-to-device copy bandwidth, bytes read + written per second / 1e9."""
+    x = torch.empty(int(gib * 2**30) // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    sync()
+    t = time.perf_counter()
+    for _ in range(reps):
+        y.copy_(x)
+    sync()
+    return 2 * x.numel() * x.element_size() * reps / (time.perf_counter() - t) / 1e9
+
+
+def profile_top(fn, reps: int, rows: int) -> list[str]:
+    """The ``rows`` GPU kernels with the most self time over ``reps`` calls of ``fn``:
+    'total ms | calls | name' (total over all calls), plus a line with the sum of all kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        sync()
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    events.sort(key=lambda e: -e.self_device_time_total)
+    total = sum(e.self_device_time_total for e in events) / 1e3 / reps
+    out = [f"{e.self_device_time_total / 1e3 / reps:8.3f} ms | {e.count // reps:5d} | {e.key[:110]}" for e in events[:rows]]
+    return out + [f"{total:8.3f} ms | {sum(e.count for e in events) // reps:5d} | all kernels, per call"]
 
 
 def write_json(path: str, data: dict) -> None:

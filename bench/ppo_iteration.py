@@ -3,13 +3,15 @@
     python bench/ppo_iteration.py --shape 0.4b --batch 64 --prompt-len 128 --new-tokens 128 --out ours.json
 
 Rollout: HF ``model.generate`` vs the plain KV-cache loop (tasks/ppo/generation.py) vs
-FastGenerator (static cache + CUDA graph), same sampling (temperature 1, no top-k/p; EOS never
-hit, so every row makes ``new_tokens`` tokens). Learn: a PPO-like step (policy forward+backward
-over prompt+response with the clipped loss, value model forward+backward with the clipped value
-loss, fused AdamW, fp32 master weights with bf16 autocast), its MFU. Iteration: rollout + old /
-ref log-probs + values + reward + GAE + one learn step (one epoch, one minibatch: what
-bench/trl_ppo.py runs in TRL), samples/s and the time split; and the cost of making the rollout
-path see the weights after an optimizer step.
+FastGenerator (static cache, whole step as a CUDA graph) on bf16 weights, on fp32 master weights,
+and on a PEFT LoRA actor (bf16 base, fp32 adapter: what the PPO stage's actor holds); same
+sampling (temperature 1, no top-k/p; EOS never hit, so every row makes ``new_tokens`` tokens).
+
+Learn: the PPO stage's own functions (``action_logprobs`` with the clipped policy loss on the
+policy, ``RewardModel.values`` with the clipped value loss on the critic), bf16 autocast over
+fp32 master weights, fused AdamW; eager, then with ``compile_blocks`` (the ``ppo.compile`` path),
+in the same run. Iteration: rollout + old / ref log-probs + values + reward + GAE + one learn
+step (one epoch, one minibatch: what bench/trl_ppo.py runs in TRL), samples/s and the split.
 """
 
 from __future__ import annotations
@@ -24,110 +26,146 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import (H200_BF16_DENSE_TFLOPS, VOCAB, build_policy, build_scalar_model, machine,  # noqa: E402
-                          matmul_tflops, n_params, peak_gib, reset_peak, sync, timed, train_flops, write_json)
+from bench.common import (H200_BF16_DENSE_TFLOPS, VOCAB, build_policy, build_value_model, copy_gbps,  # noqa: E402
+                          machine, matmul_tflops, n_params, peak_gib, profile_top, reset_peak, sync, timed,
+                          train_flops, write_json)
 from tasks.ppo.fast_generate import FastGenerator  # noqa: E402
-from tasks.ppo.generation import generate, position_ids_from_mask  # noqa: E402
-from tasks.ppo.losses import gae, kl_k1, ppo_clip_loss, token_rewards, value_loss  # noqa: E402
+from tasks.ppo.generation import action_logprobs, generate  # noqa: E402
+from tasks.ppo.group import compile_blocks  # noqa: E402
+from tasks.ppo.losses import gae, kl_k1, masked_whiten, ppo_clip_loss, token_rewards, value_loss  # noqa: E402
 
 EOS, PAD = 2, 0
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: a smoke run of the script only
 
 
-def right_size(seqs, attn, n_actions):
-    """Drop leading columns that are padding in every row (left-padded prompts); the response
-    columns stay. Returns (seqs, attn, attention mask to pass: None when there is no padding left)."""
-    first = int(attn.any(0).long().argmax())
-    seqs, attn = seqs[:, first:], attn[:, first:]
-    return seqs, attn, (None if bool(attn.all()) else attn)
+def autocast():
+    return torch.autocast(DEV, dtype=torch.bfloat16)
 
 
-def response_hidden(backbone, seqs, attn, mask, n_actions):
-    """Last hidden states at the positions that predict the response tokens: (B, N, d)."""
-    pos = position_ids_from_mask(attn)
-    h = backbone(input_ids=seqs, attention_mask=mask, position_ids=pos).last_hidden_state
-    return h[:, -n_actions - 1:-1]
+def values(critic, seqs, attn, n):
+    return critic.values(seqs, attn)[:, -n - 1:-1].float()  # the PPO critic's slice (roles._Values)
 
 
-def policy_logprobs(policy, seqs, attn, mask, n_actions):
-    h = response_hidden(policy.model, seqs, attn, mask, n_actions)
-    logits = policy.lm_head(h).float()  # only response positions go through the head
-    return torch.gather(logits.log_softmax(-1), -1, seqs[:, -n_actions:, None]).squeeze(-1)
-
-
-def values_of(vm, seqs, attn, mask, n_actions):
-    return vm.score(response_hidden(vm.model, seqs, attn, mask, n_actions)).squeeze(-1).float()
-
-
-def learn_step(policy, vm, opt, exp, n_actions):
-    seqs, attn, mask = right_size(exp["seqs"], exp["attn"], n_actions)
-    with torch.autocast(DEV, dtype=torch.bfloat16):
-        logp = policy_logprobs(policy, seqs, attn, mask, n_actions)
+def learn_step(policy, critic, opt, exp, n):
+    with autocast():
+        logp = action_logprobs(policy, exp["seqs"], exp["attn"], n)
         pl = ppo_clip_loss(logp, exp["old_logp"], exp["adv"], exp["amask"])
-        v = values_of(vm, seqs, attn, mask, n_actions)
-        vl = value_loss(v, exp["old_values"], exp["returns"], exp["amask"])
+        vl = value_loss(values(critic, exp["seqs"], exp["attn"], n), exp["old_values"], exp["returns"], exp["amask"])
     (pl.loss + vl.loss).backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
 
 
 @torch.no_grad()
-def make_experience(policy, ref, vm, rm, rollout, n_actions):
-    seqs, attn, mask = right_size(rollout.sequences, rollout.attention_mask, n_actions)
-    amask = rollout.action_mask
-    with torch.autocast(DEV, dtype=torch.bfloat16):
-        old_logp = policy_logprobs(policy, seqs, attn, mask, n_actions)
-        ref_logp = policy_logprobs(ref, seqs, attn, mask, n_actions)
-        old_values = values_of(vm, seqs, attn, mask, n_actions)
-        score = values_of(rm, seqs, attn, mask, 1)[:, -1]  # reward at the last token
-    rewards = token_rewards(score, kl_k1(old_logp, ref_logp), amask, 0.05)
-    adv = gae(rewards, old_values, amask, 1.0, 0.95)
-    a = adv.advantages
-    a = (a - a[amask.bool()].mean()) / (a[amask.bool()].std() + 1e-8)
-    return dict(seqs=rollout.sequences, attn=rollout.attention_mask, amask=amask, old_logp=old_logp,
-                old_values=old_values, adv=torch.where(amask.bool(), a, 0.0), returns=adv.returns)
+def make_experience(policy, ref, critic, rm, rollout, n):
+    seqs, attn, amask = rollout.sequences, rollout.attention_mask, rollout.action_mask
+    with autocast():
+        old_logp = action_logprobs(policy, seqs, attn, n)
+        ref_logp = action_logprobs(ref, seqs, attn, n)
+        old_values = values(critic, seqs, attn, n)
+        score = rm(seqs, attn).float()
+    adv, ret = gae(token_rewards(score, kl_k1(old_logp, ref_logp), amask, 0.05), old_values, amask, 1.0, 0.95)
+    return dict(seqs=seqs, attn=attn, amask=amask, old_logp=old_logp, old_values=old_values,
+                adv=masked_whiten(adv, amask), returns=ret)
+
+
+def time_reps(fn, reps: int) -> list[float]:
+    ts, out = [], {}
+    for _ in range(reps):
+        with timed(out, "t"):
+            fn()
+        ts.append(out["t"])
+    return ts
 
 
 def bench_rollout(policy, prompts, attn, a, res):
     B, N = prompts.shape[0], a.new_tokens
     kw = dict(max_new_tokens=N, eos_token_id=-1, pad_token_id=PAD, temperature=1.0, top_k=0, top_p=1.0)
-    out = {}
-    # HF generate (fp32 master weights, bf16 autocast, as TRL runs it) and on bf16 weights
-    for name, model, ac in (("hf_generate_autocast", policy, True), ("hf_generate_bf16", a.bf16_policy, False)):
-        def run():
+    bf16 = copy.deepcopy(policy).to(torch.bfloat16)
+    # HF generate (fp32 master weights + bf16 autocast, as TRL runs it) and on bf16 weights
+    for name, model, ac in (("hf_generate_autocast", policy, True), ("hf_generate_bf16", bf16, False)):
+        def run(model=model, ac=ac):
             with torch.autocast(DEV, dtype=torch.bfloat16, enabled=ac):
                 return model.generate(input_ids=prompts, attention_mask=attn, do_sample=True, max_new_tokens=N,
                                       min_new_tokens=N, top_k=0, top_p=1.0, temperature=1.0, pad_token_id=PAD)
         run()
-        ts = []
-        for _ in range(a.hf_reps):
-            with timed(out, "t"):
-                run()
-            ts.append(out["t"])
+        ts = time_reps(run, a.hf_reps)
         res[name] = {"s": statistics.median(ts), "new_tokens_per_s": B * N / statistics.median(ts)}
-    with timed(out, "t"):
-        generate(a.bf16_policy, prompts, attn, **kw)
-    res["plain_loop_bf16"] = {"s": out["t"], "new_tokens_per_s": B * N / out["t"]}
-    for name, model, dtype in (("fast_bf16", a.bf16_policy, None), ("fast_fp32_master_bf16_shadow", policy, torch.bfloat16)):
+    ts = time_reps(lambda: generate(bf16, prompts, attn, **kw), 1)
+    res["plain_loop_bf16"] = {"s": ts[0], "new_tokens_per_s": B * N / ts[0]}
+
+    from peft import LoraConfig, get_peft_model
+
+    lora = get_peft_model(copy.deepcopy(bf16), LoraConfig(r=16, target_modules="all-linear", init_lora_weights=False),
+                          autocast_adapter_dtype=True)  # fp32 adapter on a bf16 base, as the PPO actor holds
+    for name, model, dtype in (("fast_bf16", bf16, None), ("fast_fp32_master_bf16_copy", policy, torch.bfloat16),
+                               ("fast_lora_bf16_base", lora, None)):
         reset_peak()
         t0 = time.perf_counter()
         fg = FastGenerator(model, max_batch=B, max_len=prompts.shape[1] + N, dtype=dtype)
-        fg.generate(prompts, attn, **kw)  # captures the graph
+        fg.generate(prompts, attn, **kw)  # compiles and captures the graph
         sync()
         setup = time.perf_counter() - t0
-        ts = []
-        for _ in range(a.reps):
-            with timed(out, "t"):
-                fg.generate(prompts, attn, **kw)
-            ts.append(out["t"])
-        with timed(out, "refresh"):
-            fg.refresh_weights()
+        ts = time_reps(lambda: fg.generate(prompts, attn, **kw), a.reps)
+        refresh = time_reps(fg.refresh_weights, 3)
         res[name] = {"s": statistics.median(ts), "s_all": ts, "new_tokens_per_s": B * N / statistics.median(ts),
-                     "setup_and_capture_s": setup, "refresh_weights_s": out["refresh"], "peak_gib": peak_gib()}
+                     "setup_compile_capture_s": setup, "refresh_weights_s": statistics.median(refresh),
+                     "weight_copy_gib": fg.weight_copy_bytes() / 2**30, "peak_gib": peak_gib()}
+        if name == "fast_bf16" and DEV == "cuda":
+            res[name]["decode_step"] = decode_step_numbers(fg, prompts, attn, kw, a)
+        del fg
     base = res["hf_generate_autocast"]["new_tokens_per_s"]
-    for k in ("hf_generate_bf16", "plain_loop_bf16", "fast_bf16", "fast_fp32_master_bf16_shadow"):
+    for k in ("hf_generate_bf16", "plain_loop_bf16", "fast_bf16", "fast_fp32_master_bf16_copy", "fast_lora_bf16_base"):
         res[k]["speedup_vs_hf_generate_autocast"] = res[k]["new_tokens_per_s"] / base
     res["fast_bf16"]["speedup_vs_hf_generate_bf16"] = res["fast_bf16"]["new_tokens_per_s"] / res["hf_generate_bf16"]["new_tokens_per_s"]
+
+
+def decode_step_numbers(fg, prompts, attn, kw, a) -> dict:
+    """One graph replay's time against its floor (weights + the whole KV cache read once at the
+    measured copy bandwidth), and the top kernels of the same step run eagerly (profiler)."""
+    B = prompts.shape[0]
+    key = next(iter(fg._graphs))
+    g = fg._graphs[key]
+    fg._reset(B, attn, PAD)
+    for _ in range(3):
+        g.replay()
+    fg._reset(B, attn, PAD)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    steps = a.new_tokens - 1
+    start.record()
+    for _ in range(steps):
+        g.replay()
+    end.record()
+    sync()
+    ms = start.elapsed_time(end) / steps
+    weight_bytes = sum(t.numel() * t.element_size() for t in fg._weights if t is not None and t is not fg._w_embed)
+    cache_bytes = sum(c[:B].numel() * c.element_size() for c in fg.k_cache + fg.v_cache)
+    floor_ms = (weight_bytes + cache_bytes) / (a.copy_gbps * 1e9) * 1e3
+    out = {"graph_replay_ms": ms, "floor_ms_at_measured_copy_bw": floor_ms, "bytes_read": weight_bytes + cache_bytes}
+    if a.profile:
+        sample = lambda logits: logits.argmax(-1)  # noqa: E731
+        fg._reset(B, attn, PAD)
+        out["top_kernels_eager_step"] = profile_top(lambda: fg._decode(B, sample), 8, a.profile_rows)
+    return out
+
+
+def bench_learn(policy, critic, opt, exp, a, res, tag):
+    cfg, B, N = policy.config, exp["seqs"].shape[0], a.new_tokens
+    t0 = time.perf_counter()
+    learn_step(policy, critic, opt, exp, N)  # warm-up: optimizer state, cuBLAS, compilation
+    sync()
+    first = time.perf_counter() - t0
+    reset_peak()
+    ts = time_reps(lambda: learn_step(policy, critic, opt, exp, N), a.learn_reps)
+    t = statistics.median(ts)
+    tokens, L = exp["seqs"].numel(), exp["seqs"].shape[1]
+    flops = train_flops(cfg, tokens, L, B * (N + 1), VOCAB) + train_flops(cfg, tokens, L, B * L, 1)
+    res[tag] = {"s": t, "s_all": ts, "first_step_s": first, "tokens": tokens, "flops": flops, "tflops": flops / t / 1e12,
+                "mfu_vs_datasheet": flops / t / 1e12 / H200_BF16_DENSE_TFLOPS,
+                "mfu_vs_measured_matmul": flops / t / 1e12 / res["matmul_bf16_tflops_measured"],
+                "train_tokens_per_s": tokens / t, "peak_gib": peak_gib()}
+    if a.profile:
+        res[tag]["top_kernels"] = profile_top(lambda: learn_step(policy, critic, opt, exp, N), 2, a.profile_rows)
 
 
 def main() -> None:
@@ -141,62 +179,43 @@ def main() -> None:
     ap.add_argument("--learn-reps", type=int, default=5)
     ap.add_argument("--iters", type=int, default=4)
     ap.add_argument("--skip-rollout-baselines", action="store_true")
-    ap.add_argument("--compile-learn", action="store_true", help="torch.compile each decoder layer of policy and value model")
+    ap.add_argument("--skip-eager-learn", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="also record the top GPU kernels of a decode step and a learn step")
+    ap.add_argument("--profile-rows", type=int, default=12)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
     B, P, N = a.batch, a.prompt_len, a.new_tokens
+    a.copy_gbps = copy_gbps() if DEV == "cuda" else float("nan")
     res = {"machine": machine(), "shape": a.shape, "batch": B, "prompt_len": P, "new_tokens": N,
-           "matmul_bf16_tflops_measured": matmul_tflops() if DEV == "cuda" else float("nan"), "peak_tflops_datasheet": H200_BF16_DENSE_TFLOPS}
+           "matmul_bf16_tflops_measured": matmul_tflops() if DEV == "cuda" else float("nan"),
+           "copy_gbps_measured": a.copy_gbps, "peak_tflops_datasheet": H200_BF16_DENSE_TFLOPS}
     policy = build_policy(a.shape, DEV)
     ref = copy.deepcopy(policy).to(torch.bfloat16).eval()
-    vm = build_scalar_model(a.shape, DEV, seed=1)
-    rm = build_scalar_model(a.shape, DEV, torch.bfloat16, seed=2).eval()
-    a.bf16_policy = copy.deepcopy(policy).to(torch.bfloat16)
-    if a.compile_learn:  # regional compilation: one compiled layer, reused by every layer of both models
-        for m in (policy, vm):
-            for layer in m.model.layers:
-                layer.compile(dynamic=False)
+    critic = build_value_model(a.shape, DEV, seed=1)
+    rm = build_value_model(a.shape, DEV, torch.bfloat16, seed=2).eval()
     res["params"] = n_params(policy)
     g = torch.Generator(device=DEV).manual_seed(0)
     prompts = torch.randint(4, VOCAB, (B, P), device=DEV, generator=g)
     attn = torch.ones_like(prompts)
 
-    # ---- rollout
     rr = res.setdefault("rollout", {})
     if not a.skip_rollout_baselines:
         bench_rollout(policy, prompts, attn, a, rr)
-    del a.bf16_policy
     if DEV == "cuda":
         torch.cuda.empty_cache()
 
-    # ---- learn phase: MFU
-    opt = torch.optim.AdamW(list(policy.parameters()) + list(vm.parameters()), lr=1e-6, fused=True)
+    # ---- learn phase: eager, then compiled blocks (ppo.compile), same models and optimizer
+    opt = torch.optim.AdamW(list(policy.parameters()) + list(critic.parameters()), lr=1e-6, fused=DEV == "cuda")
     fg = FastGenerator(policy, max_batch=B, max_len=P + N, dtype=torch.bfloat16)
     kw = dict(max_new_tokens=N, eos_token_id=EOS, pad_token_id=PAD, temperature=1.0, top_k=0, top_p=1.0)
-    rollout = fg.generate(prompts, attn, **kw)
-    exp = make_experience(policy, ref, vm, rm, rollout, N)
-    learn_step(policy, vm, opt, exp, N)  # warm-up (optimizer state, cuBLAS)
-    reset_peak()
-    ts, out = [], {}
-    for _ in range(a.learn_reps):
-        with timed(out, "t"):
-            learn_step(policy, vm, opt, exp, N)
-        ts.append(out["t"])
-    t_learn = statistics.median(ts)
-    cfg = policy.config
-    tokens = B * (P + N)
-    flops = train_flops(cfg, tokens, P + N, B * N, VOCAB) + train_flops(cfg, tokens, P + N, B * N, 1)
-    res["learn"] = {"compiled_layers": a.compile_learn, "s": t_learn, "s_all": ts, "tokens": tokens, "flops": flops, "tflops": flops / t_learn / 1e12,
-                    "mfu_vs_datasheet": flops / t_learn / 1e12 / H200_BF16_DENSE_TFLOPS,
-                    "mfu_vs_measured_matmul": flops / t_learn / 1e12 / res["matmul_bf16_tflops_measured"],
-                    "train_tokens_per_s": tokens / t_learn, "peak_gib": peak_gib()}
-
-    # ---- weight sync: the fast path after an optimizer step (in place: graphs stay valid)
-    with timed(out, "refresh"):
-        fg.refresh_weights()
-    res["weight_sync"] = {"refresh_after_optimizer_step_s": out["refresh"],
-                          "note": "fp32 master -> bf16 shadow cast copy; 0 copies when the model is bf16"}
+    exp = make_experience(policy, ref, critic, rm, fg.generate(prompts, attn, **kw), N)
+    if not a.skip_eager_learn:
+        bench_learn(policy, critic, opt, exp, a, res, "learn_eager")
+    res["compiled_blocks"] = compile_blocks(policy) + compile_blocks(critic)
+    bench_learn(policy, critic, opt, exp, a, res, "learn_compiled")
+    res["weight_sync"] = {"refresh_after_optimizer_step_s": statistics.median(time_reps(fg.refresh_weights, 3)),
+                          "note": "fp32 master -> packed bf16 decode weights, in place"}
 
     # ---- full iteration: samples/s and split
     reset_peak()
@@ -206,31 +225,46 @@ def main() -> None:
         with timed(s, "rollout"):
             rollout = fg.generate(prompts, attn, **kw)
         with timed(s, "experience"):
-            exp = make_experience(policy, ref, vm, rm, rollout, N)
+            exp = make_experience(policy, ref, critic, rm, rollout, N)
         with timed(s, "learn"):
-            learn_step(policy, vm, opt, exp, N)
+            learn_step(policy, critic, opt, exp, N)
         s["total"] = sum(s.values())
         splits.append(s)
     med = {k: statistics.median(s[k] for s in splits) for k in splits[0]}
     res["iteration"] = {"s": med, "samples_per_s": B / med["total"],
                         "split_pct": {k: 100 * v / med["total"] for k, v in med.items() if k != "total"},
                         "rollout_new_tokens_per_s": B * N / med["rollout"], "peak_gib": peak_gib()}
-
-    r = res["rollout"]
-    if r:
-        print(f"rollout B={B} {P}+{N}: HF generate (autocast) {r['hf_generate_autocast']['new_tokens_per_s']:.0f} tok/s, "
-              f"HF generate (bf16) {r['hf_generate_bf16']['new_tokens_per_s']:.0f}, plain loop {r['plain_loop_bf16']['new_tokens_per_s']:.0f}, "
-              f"fast bf16 {r['fast_bf16']['new_tokens_per_s']:.0f} ({r['fast_bf16']['speedup_vs_hf_generate_autocast']:.1f}x), "
-              f"fast fp32+shadow {r['fast_fp32_master_bf16_shadow']['new_tokens_per_s']:.0f}; capture {r['fast_bf16']['setup_and_capture_s']:.2f} s")
-    L = res["learn"]
-    print(f"learn: {L['s'] * 1e3:.0f} ms/step, {L['tflops']:.0f} TFLOP/s, MFU {100 * L['mfu_vs_datasheet']:.1f}% of 989 "
-          f"({100 * L['mfu_vs_measured_matmul']:.1f}% of measured {res['matmul_bf16_tflops_measured']:.0f}), peak {L['peak_gib']:.1f} GiB")
-    it = res["iteration"]
-    print(f"iteration: {med['total']:.3f} s, {it['samples_per_s']:.1f} samples/s, split "
-          + ", ".join(f"{k} {v:.0f}%" for k, v in it["split_pct"].items())
-          + f"; refresh after opt step {1e3 * out['refresh']:.2f} ms; peak {it['peak_gib']:.1f} GiB")
+    report(res)
     if a.out:
         write_json(a.out, res)
+
+
+def report(res) -> None:
+    r = res["rollout"]
+    if r:
+        f = r["fast_bf16"]
+        print(f"rollout B={res['batch']} {res['prompt_len']}+{res['new_tokens']}: HF generate (autocast) "
+              f"{r['hf_generate_autocast']['new_tokens_per_s']:.0f} tok/s, HF bf16 {r['hf_generate_bf16']['new_tokens_per_s']:.0f}, "
+              f"plain loop {r['plain_loop_bf16']['new_tokens_per_s']:.0f}, fast bf16 {f['new_tokens_per_s']:.0f} "
+              f"({f['speedup_vs_hf_generate_autocast']:.1f}x), fast fp32 master {r['fast_fp32_master_bf16_copy']['new_tokens_per_s']:.0f}, "
+              f"fast LoRA {r['fast_lora_bf16_base']['new_tokens_per_s']:.0f}; setup {f['setup_compile_capture_s']:.1f} s")
+        d = f.get("decode_step", {})
+        if d:
+            print(f"decode step: {d['graph_replay_ms']:.3f} ms per graph replay, floor {d['floor_ms_at_measured_copy_bw']:.3f} ms")
+            for row in d.get("top_kernels_eager_step", []):
+                print("   ", row)
+    for tag in ("learn_eager", "learn_compiled"):
+        if tag in res:
+            L = res[tag]
+            print(f"{tag}: {L['s'] * 1e3:.0f} ms/step (first {L['first_step_s']:.1f} s), {L['tflops']:.0f} TFLOP/s, "
+                  f"MFU {100 * L['mfu_vs_datasheet']:.1f}% of 989 ({100 * L['mfu_vs_measured_matmul']:.1f}% of measured "
+                  f"{res['matmul_bf16_tflops_measured']:.0f}), peak {L['peak_gib']:.1f} GiB")
+            for row in L.get("top_kernels", []):
+                print("   ", row)
+    it = res["iteration"]
+    print(f"iteration: {it['s']['total']:.3f} s, {it['samples_per_s']:.1f} samples/s, split "
+          + ", ".join(f"{k} {v:.0f}%" for k, v in it["split_pct"].items())
+          + f"; refresh after opt step {1e3 * res['weight_sync']['refresh_after_optimizer_step_s']:.2f} ms; peak {it['peak_gib']:.1f} GiB")
 
 
 if __name__ == "__main__":

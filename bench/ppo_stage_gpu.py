@@ -14,7 +14,8 @@ Runs: ``tiny`` is the built-in model with the default stage configs (the CPU tes
 iterations); ``0.3b`` is a random-weight Llama (bench/common.py's 0.4b shape, d 1024, 24 layers,
 MLP 2816, with the built-in 512-token vocabulary instead of 32000, so 0.31B parameters) saved
 with the built-in tokenizer as a local ``model.pretrain``, short SFT / RM, and PPO at batch 64
-with 64 new tokens; ``0.3b-plain`` is the same PPO with ppo.fast_generate 'off'.
+with 64 new tokens (ppo.compile 'auto': the learners' blocks compiled); ``0.3b-plain`` is the
+same PPO with ppo.fast_generate 'off', ``0.3b-eager`` with ppo.compile 'off'.
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ def runs(device: str, iters: int | None, big_model: str | None) -> dict[str, tup
         rm = RewardConfig(device=device, max_steps=30, eval_every=30)
         out["0.3b"] = (model, sft, rm, big)
         out["0.3b-plain"] = (model, sft, rm, big.model_copy(update={"fast_generate": "off"}))
+        out["0.3b-eager"] = (model, sft, rm, big.model_copy(update={"compile": "off"}))
     return out
 
 
@@ -141,22 +143,22 @@ def run_one(name, model, sft_cfg, rm_cfg, ppo_cfg, store, stats: RoleStats) -> d
 
 
 def table(results: dict) -> str:
-    rows = ["| run | fast_generate | s/iter (steady) | generate | score | learn | samples/s | peak GiB actor / critic / initial / reward |",
-            "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    rows = ["| run | rollout | ppo.compile | s/iter (steady) | generate | score | learn | samples/s | first iter s | peak GiB actor / critic / initial / reward |",
+            "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for name, r in results.items():
         m = r["steady_mean_s"]
         peaks = " / ".join(f"{r['roles'][k][0]['peak_allocated_gib']:.2f}" if r["roles"][k] and r["roles"][k][0] else "-"
                            for k in ROLES)
         used = "graph" if r["rollout"]["cuda_graphs"] else ("eager" if r["rollout"]["fast_generate"] else "off")
-        rows.append(f"| {name} | {used} | {m['iteration']:.3f} | {m['generate']:.3f} | {m['score']:.3f} | {m['learn']:.3f} | "
-                    f"{r['samples_per_s']:.1f} | {peaks} |")
+        rows.append(f"| {name} | {used} | {r['ppo']['compile']} | {m['iteration']:.3f} | {m['generate']:.3f} | {m['score']:.3f} | "
+                    f"{m['learn']:.3f} | {r['samples_per_s']:.1f} | {r['first_iteration_s']:.1f} | {peaks} |")
     return "\n".join(rows)
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    ap.add_argument("--runs", default="tiny,0.3b,0.3b-plain", help="comma-separated: tiny, 0.3b, 0.3b-plain")
+    ap.add_argument("--runs", default="tiny,0.3b,0.3b-plain", help="comma-separated: tiny, 0.3b, 0.3b-plain, 0.3b-eager")
     ap.add_argument("--iters", type=int, default=None, help="PPO iterations per run (default: tiny 10, 0.3b 4)")
     ap.add_argument("--big-shape", default="0.4b", choices=sorted(SHAPES), help="bench/common.py shape of the 0.3b runs (tiny: smoke run)")
     ap.add_argument("--out", default="bench/results/ppo_stage_gpu.json")

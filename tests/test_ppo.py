@@ -6,6 +6,7 @@ measured on the 2-core CPU machine (numbers in the test docstrings) and carry a 
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 import time
@@ -73,6 +74,40 @@ def test_config_errors_name_field_value_and_fix():
     with pytest.raises(ValidationError, match=r"gpus_per_worker \(1.5\).*whole number"):
         PPOConfig(actor={"gpus_per_worker": 1.5})
     PPOConfig(rollout_batch_size=32, train_batch_size=8, actor={"num_workers": 2}, critic={"num_workers": 4})
+
+
+def test_compiled_blocks_compile_once_and_match_eager():
+    """compile_blocks (ppo.compile): one compiled graph serves every decoder layer (the training
+    forwards pass no KV cache, whose per-layer index would force a compile per layer), and a LoRA
+    policy's log-probs and gradients match the eager model's (Inductor's CPU backend here)."""
+    from peft import LoraConfig, get_peft_model
+    from torch._dynamo.utils import counters
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tasks.ppo.generation import action_logprobs
+    from tasks.ppo.group import compile_blocks
+
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                        num_attention_heads=4, num_key_value_heads=2, pad_token_id=0))
+    eager = get_peft_model(base, LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False)).eval()
+    models = [eager, copy.deepcopy(eager)]
+    torch._dynamo.reset()
+    counters.clear()
+    assert compile_blocks(models[1]) == 4
+    ids = torch.randint(1, 64, (4, 12), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0  # left padding: the mask path, not only is_causal
+    grads = []
+    for m in models:
+        logp = action_logprobs(m, ids, mask, 5)
+        (logp * torch.linspace(-1, 1, 5)).sum().backward()
+        grads.append((logp.detach(), {n: p.grad for n, p in m.named_parameters() if p.requires_grad}))
+    # two graphs, not four: layer 0's input (frozen embeddings) needs no grad, the others' do
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+    torch.testing.assert_close(grads[1][0], grads[0][0], rtol=1e-5, atol=1e-5)
+    for n, g in grads[0][1].items():
+        torch.testing.assert_close(grads[1][1][n], g, rtol=1e-4, atol=1e-5, msg=n)
 
 
 def test_prompt_sampler_position_is_its_state():

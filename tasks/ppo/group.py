@@ -178,6 +178,25 @@ def shard_units(model) -> list:
     return [m for m in model.modules() if type(m).__name__ in names]
 
 
+def compile_blocks(model) -> int:
+    """Regional compilation: ``torch.compile`` every transformer block of ``model`` in place.
+
+    Blocks of one shape share one compiled graph (their parameters are graph inputs), so a
+    24-layer model costs one layer's compile; the mask building and the loss around the blocks
+    stay eager. Forwards must pass ``use_cache=False``: a KV cache's per-layer index would force
+    one compile per layer. Returns the number of blocks compiled.
+    """
+    blocks = shard_units(model)
+    for block in blocks:
+        block.compile()
+    return len(blocks)
+
+
+def wants_compile(mode: str, device: str) -> bool:
+    """``ppo.compile``: 'auto' = on for CUDA roles, 'on' = everywhere (CPU too), 'off'."""
+    return mode == "on" or (mode == "auto" and device == "cuda")
+
+
 def wrap_learner(model, lr: float, strategy: str, device: str):
     """(model to train, optimizer, model to run inference on) for one learner rank.
 

@@ -6,17 +6,21 @@ and the driver calls ``worker.method.remote(...)``. Tensors travel as ``Rollout`
 prompt + N = max_new_tokens response columns).
 
 Rollouts: with ``ppo.fast_generate`` (default 'auto': CUDA, Llama-family, DDP) the actor decodes
-with ``FastGenerator`` (static KV cache, the decode step as a CUDA graph) over its own parameter
-tensors, so an optimizer step is seen by the next rollout with no copy; else the plain loop.
+with ``FastGenerator`` (static KV cache, the whole decode step as a CUDA graph) over a packed copy
+of its weights with the LoRA adapter merged in, re-filled in place before every rollout, so an
+optimizer step is seen by the next rollout; else the plain loop.
 
 Learners run in eval mode: dropout (the SFT adapter's LoRA dropout) stays off, so log-probs at
 learning time match the rollout's (TRL disables dropout in PPO for the same reason).
+
+On CUDA the scoring and learning forwards run under bf16 autocast (fp32 master weights for the
+critic, fp32 LoRA for the actor; generation runs in the weights' dtype), and with ``ppo.compile``
+the learners' transformer blocks are ``torch.compile``d.
 """
 
 from __future__ import annotations
 
 import random
-from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -24,7 +28,8 @@ from torch import Tensor
 
 from tasks.ppo.config import PPOConfig
 from tasks.ppo.fast_generate import fast_generate_applies
-from tasks.ppo.group import DistributedWorker, agree_finished, full_state, load_full_state, wrap_learner
+from tasks.common.loop import autocast
+from tasks.ppo.group import DistributedWorker, agree_finished, compile_blocks, full_state, load_full_state, wants_compile, wrap_learner
 
 
 class Experience(NamedTuple):
@@ -106,6 +111,8 @@ class PolicyWorker(_LearnerMixin, DistributedWorker):
         self.ppo, self.pad_id, self.eos_id = ppo, pad_id, eos_id
         base = load_causal_lm(model_cfg, self.device)
         peft = PeftModel.from_pretrained(base, str(store.fetch(sft_key) / "adapter"), is_trainable=True).eval()
+        if wants_compile(ppo.compile, self.device):
+            compile_blocks(peft)
         self.model, self.optim, self.infer_model = wrap_learner(peft, ppo.actor_lr, self.strategy, self.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.all_finished = agree_finished(self.strategy, self.device)
@@ -129,16 +136,20 @@ class PolicyWorker(_LearnerMixin, DistributedWorker):
         batch = collate_prompts([{"prompt_ids": p} for p in prompts], self.pad_id)
         gen = self.sample_gen if seed is None else torch.Generator(self.device).manual_seed(seed + self.rank)
         ids, mask = batch["input_ids"].to(self.device), batch["attention_mask"].to(self.device)
-        decode = self._fast_generator(*ids.shape).generate if self.fast else partial(generate, self.infer_model)
-        ro = decode(ids, mask, max_new_tokens=self.ppo.max_new_tokens, eos_token_id=self.eos_id, pad_token_id=self.pad_id,
-                    temperature=self.ppo.temperature, top_k=self.ppo.top_k, top_p=self.ppo.top_p,
-                    generator=gen, greedy=greedy, all_finished=self.all_finished)
+        kw = dict(max_new_tokens=self.ppo.max_new_tokens, eos_token_id=self.eos_id, pad_token_id=self.pad_id,
+                  temperature=self.ppo.temperature, top_k=self.ppo.top_k, top_p=self.ppo.top_p,
+                  generator=gen, greedy=greedy, all_finished=self.all_finished)
+        if self.fast:
+            ro = self._fast_generator(*ids.shape).generate(ids, mask, **kw)
+        else:  # blocks run eagerly here: compiled ones would recompile per layer for the KV cache
+            with torch.compiler.set_stance("force_eager"):
+                ro = generate(self.infer_model, ids, mask, **kw)
         ro = type(ro)(*(t.cpu() for t in ro))
         return ro if split == 1 else tuple(_chunks(ro, split))
 
     def _fast_generator(self, batch: int, prompt_len: int):
-        """The FastGenerator over the actor's own parameters (an optimizer step updates them in
-        place, so the next rollout sees it); rebuilt larger when a rollout does not fit its cache."""
+        """The FastGenerator over the actor's model (it re-reads the weights at every rollout);
+        rebuilt larger when a rollout does not fit its cache."""
         from tasks.ppo.fast_generate import FastGenerator
 
         fg, need = self.fast_gen, prompt_len + self.ppo.max_new_tokens
@@ -151,18 +162,19 @@ class PolicyWorker(_LearnerMixin, DistributedWorker):
         return self.fast_gen
 
     def rollout_info(self) -> dict:
-        """Which decode path rollouts take: {'fast_generate', 'cuda_graphs', 'graph_batch_sizes', 'shadow_weights'}."""
-        fg = self.fast_gen
-        return {"fast_generate": self.fast, "cuda_graphs": bool(fg and fg.use_cuda_graph),
-                "graph_batch_sizes": sorted(fg._graphs) if fg else [], "shadow_weights": bool(fg and fg._shadow is not None)}
+        """Which decode path rollouts take: {'fast_generate', 'cuda_graphs', 'graph_batch_sizes',
+        'weight_copy_gib', 'compiled'} (see ``FastGenerator.info``)."""
+        info = {"fast_generate": self.fast, "cuda_graphs": False, "graph_batch_sizes": [], "weight_copy_gib": 0.0, "compiled": False}
+        return info | (self.fast_gen.info() if self.fast_gen else {})
 
     @torch.no_grad()
     def logprobs(self, rollout) -> tuple[Tensor, Tensor]:
         """(log-probs, entropy) of the rollout's actions under the current policy: (B, N) each."""
         from tasks.ppo.generation import forward_actions
 
-        logp, ent = forward_actions(self.infer_model, rollout.sequences.to(self.device), rollout.attention_mask.to(self.device),
-                                    rollout.action_mask.shape[1], self.ppo.temperature)
+        with autocast(self.device):
+            logp, ent = forward_actions(self.infer_model, rollout.sequences.to(self.device), rollout.attention_mask.to(self.device),
+                                        rollout.action_mask.shape[1], self.ppo.temperature)
         return logp.cpu(), ent.cpu()
 
     def learn(self, *experience: Experience) -> dict[str, float]:
@@ -175,13 +187,14 @@ class PolicyWorker(_LearnerMixin, DistributedWorker):
         for _ in range(self.ppo.ppo_epochs):
             for i in torch.randperm(len(experience), generator=self.learn_gen).tolist():
                 e = Experience(*(t.to(self.device) for t in experience[i]))
-                logp = action_logprobs(self.model, e.sequences, e.attention_mask, e.action_mask.shape[1], self.ppo.temperature)
-                pl = ppo_clip_loss(logp, e.logprobs, e.advantages, e.action_mask, self.ppo.eps_clip)
-                loss = pl.loss
-                if self.ppo.ptx_coef > 0:
-                    ptx = self._ptx_loss()
-                    loss = loss + self.ppo.ptx_coef * ptx
-                    stats["ptx_loss"] += float(ptx.detach())
+                with autocast(self.device):
+                    logp = action_logprobs(self.model, e.sequences, e.attention_mask, e.action_mask.shape[1], self.ppo.temperature)
+                    pl = ppo_clip_loss(logp, e.logprobs, e.advantages, e.action_mask, self.ppo.eps_clip)
+                    loss = pl.loss
+                    if self.ppo.ptx_coef > 0:
+                        ptx = self._ptx_loss()
+                        loss = loss + self.ppo.ptx_coef * ptx
+                        stats["ptx_loss"] += float(ptx.detach())
                 self._step(loss)
                 stats["policy_loss"] += float(pl.loss.detach())
                 stats["clip_fraction"] += float(pl.clip_fraction)
@@ -194,7 +207,7 @@ class PolicyWorker(_LearnerMixin, DistributedWorker):
 
         idx = torch.randint(len(self.ptx), (self.ppo.ptx_batch_size,), generator=self.learn_gen).tolist()
         b = {k: v.to(self.device) for k, v in collate_lm([self.ptx[i] for i in idx], self.pad_id).items()}
-        return self.model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], labels=b["labels"]).loss
+        return self.model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], labels=b["labels"], use_cache=False).loss
 
     def adapter_files(self) -> dict[str, bytes] | None:
         """The adapter as ``save_pretrained`` writes it (rank 0; collective when sharded)."""
@@ -225,8 +238,9 @@ class ReferenceWorker(DistributedWorker):
     def logprobs(self, rollout) -> Tensor:
         from tasks.ppo.generation import action_logprobs
 
-        return action_logprobs(self.model, rollout.sequences.to(self.device), rollout.attention_mask.to(self.device),
-                               rollout.action_mask.shape[1], self.ppo.temperature).cpu()
+        with autocast(self.device):
+            return action_logprobs(self.model, rollout.sequences.to(self.device), rollout.attention_mask.to(self.device),
+                                   rollout.action_mask.shape[1], self.ppo.temperature).cpu()
 
 
 class RewardWorker(DistributedWorker):
@@ -241,7 +255,8 @@ class RewardWorker(DistributedWorker):
     def score(self, rollout) -> Tensor:
         # the reward model reads the last non-pad token and takes positions from the mask,
         # so left-padded rollouts score as the right-padded pairs it was trained on
-        return self.model(rollout.sequences.to(self.device), rollout.attention_mask.to(self.device)).float().cpu()
+        with autocast(self.device):
+            return self.model(rollout.sequences.to(self.device), rollout.attention_mask.to(self.device)).float().cpu()
 
 
 class _Values(torch.nn.Module):
@@ -265,6 +280,8 @@ class CriticWorker(_LearnerMixin, DistributedWorker):
         self.ppo = ppo
         rm = load_reward_model(str(store.fetch(rm_key)), device=self.device).eval()
         rm.requires_grad_(True)
+        if wants_compile(ppo.compile, self.device):
+            compile_blocks(rm)
         self.model, self.optim, self.infer_model = wrap_learner(_Values(rm), ppo.critic_lr, self.strategy, self.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.learn_gen = torch.Generator().manual_seed(self.seed * 7919 + 202 + self.rank)
@@ -274,8 +291,9 @@ class CriticWorker(_LearnerMixin, DistributedWorker):
 
     @torch.no_grad()
     def values(self, rollout) -> Tensor:
-        return self.infer_model(rollout.sequences.to(self.device), rollout.attention_mask.to(self.device),
-                                rollout.action_mask.shape[1]).cpu()
+        with autocast(self.device):
+            return self.infer_model(rollout.sequences.to(self.device), rollout.attention_mask.to(self.device),
+                                    rollout.action_mask.shape[1]).cpu()
 
     def learn(self, *experience: Experience) -> dict[str, float]:
         from tasks.ppo.losses import value_loss
@@ -284,8 +302,9 @@ class CriticWorker(_LearnerMixin, DistributedWorker):
         for _ in range(self.ppo.ppo_epochs):
             for i in torch.randperm(len(experience), generator=self.learn_gen).tolist():
                 e = Experience(*(t.to(self.device) for t in experience[i]))
-                v = self.model(e.sequences, e.attention_mask, e.action_mask.shape[1])
-                vl = value_loss(v, e.values, e.returns, e.action_mask, self.ppo.value_clip)
+                with autocast(self.device):
+                    v = self.model(e.sequences, e.attention_mask, e.action_mask.shape[1])
+                    vl = value_loss(v, e.values, e.returns, e.action_mask, self.ppo.value_clip)
                 self._step(vl.loss)
                 loss_sum, clip_sum, steps = loss_sum + float(vl.loss.detach()), clip_sum + float(vl.clip_fraction), steps + 1
         return {"value_loss": loss_sum / steps, "value_clip_fraction": clip_sum / steps}

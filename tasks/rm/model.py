@@ -45,11 +45,14 @@ class RewardModel(nn.Module):
         nn.init.zeros_(self.head.bias)
         base = body.get_base_model() if hasattr(body, "get_base_model") else body
         # Position ids from the mask make scores independent of left padding (bloom has none: alibi).
-        self._positions = "position_ids" in inspect.signature(base.forward).parameters
+        params = inspect.signature(base.forward).parameters
+        self._positions = "position_ids" in params
+        # no KV cache: nothing reads it, and its per-layer index defeats compiled blocks
+        self._no_cache = {"use_cache": False} if "use_cache" in params else {}
 
     def values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """(B, T) ids and 0/1 mask -> (B, T) float: the head's output at every token."""
-        kwargs = {}
+        kwargs = dict(self._no_cache)
         if self._positions:
             kwargs["position_ids"] = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         hidden = self.body(input_ids=input_ids, attention_mask=attention_mask, **kwargs).last_hidden_state
