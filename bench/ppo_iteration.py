@@ -29,12 +29,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import (H200_BF16_DENSE_TFLOPS, VOCAB, build_policy, build_value_model, copy_gbps,  # noqa: E402
                           machine, matmul_tflops, n_params, peak_gib, profile_top, reset_peak, sync, timed,
                           train_flops, write_json)
+from tasks.ppo import fast_generate  # noqa: E402
 from tasks.ppo.fast_generate import FastGenerator  # noqa: E402
 from tasks.ppo.generation import action_logprobs, generate  # noqa: E402
 from tasks.ppo.group import compile_blocks  # noqa: E402
 from tasks.ppo.losses import gae, kl_k1, masked_whiten, ppo_clip_loss, token_rewards, value_loss  # noqa: E402
 
-EOS, PAD = 2, 0
+PAD = 0
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: a smoke run of the script only
 
 
@@ -57,14 +58,20 @@ def learn_step(policy, critic, opt, exp, n):
 
 
 @torch.no_grad()
-def make_experience(policy, ref, critic, rm, rollout, n):
+def make_experience(policy, ref, critic, rm, rollout, n, split: dict | None = None):
     seqs, attn, amask = rollout.sequences, rollout.attention_mask, rollout.action_mask
+    t = {} if split is None else split
     with autocast():
-        old_logp = action_logprobs(policy, seqs, attn, n)
-        ref_logp = action_logprobs(ref, seqs, attn, n)
-        old_values = values(critic, seqs, attn, n)
-        score = rm(seqs, attn).float()
-    adv, ret = gae(token_rewards(score, kl_k1(old_logp, ref_logp), amask, 0.05), old_values, amask, 1.0, 0.95)
+        with timed(t, "policy_logprobs"):
+            old_logp = action_logprobs(policy, seqs, attn, n)
+        with timed(t, "ref_logprobs"):
+            ref_logp = action_logprobs(ref, seqs, attn, n)
+        with timed(t, "values"):
+            old_values = values(critic, seqs, attn, n)
+        with timed(t, "reward"):
+            score = rm(seqs, attn).float()
+    with timed(t, "gae"):
+        adv, ret = gae(token_rewards(score, kl_k1(old_logp, ref_logp), amask, 0.05), old_values, amask, 1.0, 0.95)
     return dict(seqs=seqs, attn=attn, amask=amask, old_logp=old_logp, old_values=old_values,
                 adv=masked_whiten(adv, amask), returns=ret)
 
@@ -98,8 +105,13 @@ def bench_rollout(policy, prompts, attn, a, res):
 
     lora = get_peft_model(copy.deepcopy(bf16), LoraConfig(r=16, target_modules="all-linear", init_lora_weights=False),
                           autocast_adapter_dtype=True)  # fp32 adapter on a bf16 base, as the PPO actor holds
-    for name, model, dtype in (("fast_bf16", bf16, None), ("fast_fp32_master_bf16_copy", policy, torch.bfloat16),
-                               ("fast_lora_bf16_base", lora, None)):
+    variants = [("fast_bf16", bf16, None, "reduce"), ("fast_fp32_master_bf16_copy", policy, torch.bfloat16, "reduce"),
+                ("fast_lora_bf16_base", lora, None, "reduce")]
+    if a.attention_variants and DEV == "cuda":  # the library attention kernels in the same decode, for the record
+        variants += [("fast_bf16_attention_sdpa", bf16, None, "sdpa"), ("fast_bf16_attention_sdpa_efficient", bf16, None, "sdpa_efficient")]
+    for name, model, dtype, attention in variants:
+        fast_generate._DECODE_ATTENTION = attention
+        torch._dynamo.reset()  # the attention choice is a traced global: compile afresh
         reset_peak()
         t0 = time.perf_counter()
         fg = FastGenerator(model, max_batch=B, max_len=prompts.shape[1] + N, dtype=dtype)
@@ -111,11 +123,13 @@ def bench_rollout(policy, prompts, attn, a, res):
         res[name] = {"s": statistics.median(ts), "s_all": ts, "new_tokens_per_s": B * N / statistics.median(ts),
                      "setup_compile_capture_s": setup, "refresh_weights_s": statistics.median(refresh),
                      "weight_copy_gib": fg.weight_copy_bytes() / 2**30, "peak_gib": peak_gib()}
-        if name == "fast_bf16" and DEV == "cuda":
+        if name.startswith("fast_bf16") and DEV == "cuda":
             res[name]["decode_step"] = decode_step_numbers(fg, prompts, attn, kw, a)
         del fg
+    fast_generate._DECODE_ATTENTION = "reduce"
+    torch._dynamo.reset()
     base = res["hf_generate_autocast"]["new_tokens_per_s"]
-    for k in ("hf_generate_bf16", "plain_loop_bf16", "fast_bf16", "fast_fp32_master_bf16_copy", "fast_lora_bf16_base"):
+    for k in [v[0] for v in variants] + ["hf_generate_bf16", "plain_loop_bf16"]:
         res[k]["speedup_vs_hf_generate_autocast"] = res[k]["new_tokens_per_s"] / base
     res["fast_bf16"]["speedup_vs_hf_generate_bf16"] = res["fast_bf16"]["new_tokens_per_s"] / res["hf_generate_bf16"]["new_tokens_per_s"]
 
@@ -182,6 +196,7 @@ def main() -> None:
     ap.add_argument("--skip-eager-learn", action="store_true")
     ap.add_argument("--profile", action="store_true", help="also record the top GPU kernels of a decode step and a learn step")
     ap.add_argument("--profile-rows", type=int, default=12)
+    ap.add_argument("--attention-variants", action="store_true", help="also time the decode with library attention kernels")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -208,7 +223,7 @@ def main() -> None:
     # ---- learn phase: eager, then compiled blocks (ppo.compile), same models and optimizer
     opt = torch.optim.AdamW(list(policy.parameters()) + list(critic.parameters()), lr=1e-6, fused=DEV == "cuda")
     fg = FastGenerator(policy, max_batch=B, max_len=P + N, dtype=torch.bfloat16)
-    kw = dict(max_new_tokens=N, eos_token_id=EOS, pad_token_id=PAD, temperature=1.0, top_k=0, top_p=1.0)
+    kw = dict(max_new_tokens=N, eos_token_id=-1, pad_token_id=PAD, temperature=1.0, top_k=0, top_p=1.0)  # as TRL's run: no EOS
     exp = make_experience(policy, ref, critic, rm, fg.generate(prompts, attn, **kw), N)
     if not a.skip_eager_learn:
         bench_learn(policy, critic, opt, exp, a, res, "learn_eager")
@@ -218,20 +233,25 @@ def main() -> None:
                           "note": "fp32 master -> packed bf16 decode weights, in place"}
 
     # ---- full iteration: samples/s and split
+    from torch._dynamo.utils import counters
+
     reset_peak()
-    splits = []
+    splits, parts, graphs_before = [], [], counters["stats"]["unique_graphs"]
     for _ in range(a.iters):
-        s = {}
+        s, e = {}, {}
         with timed(s, "rollout"):
             rollout = fg.generate(prompts, attn, **kw)
         with timed(s, "experience"):
-            exp = make_experience(policy, ref, critic, rm, rollout, N)
+            exp = make_experience(policy, ref, critic, rm, rollout, N, e)
         with timed(s, "learn"):
             learn_step(policy, critic, opt, exp, N)
         s["total"] = sum(s.values())
         splits.append(s)
+        parts.append(e)
     med = {k: statistics.median(s[k] for s in splits) for k in splits[0]}
-    res["iteration"] = {"s": med, "samples_per_s": B / med["total"],
+    res["iteration"] = {"s": med, "s_all": splits, "experience_parts_s": {k: statistics.median(e[k] for e in parts) for k in parts[0]},
+                        "graphs_compiled_during_iterations": counters["stats"]["unique_graphs"] - graphs_before,
+                        "samples_per_s": B / med["total"],
                         "split_pct": {k: 100 * v / med["total"] for k, v in med.items() if k != "total"},
                         "rollout_new_tokens_per_s": B * N / med["rollout"], "peak_gib": peak_gib()}
     report(res)
@@ -243,6 +263,9 @@ def report(res) -> None:
     r = res["rollout"]
     if r:
         f = r["fast_bf16"]
+        for k, v in r.items():
+            if k.startswith("fast_bf16_attention"):
+                print(f"  {k}: {v['new_tokens_per_s']:.0f} tok/s, step {v.get('decode_step', {}).get('graph_replay_ms', float('nan')):.3f} ms")
         print(f"rollout B={res['batch']} {res['prompt_len']}+{res['new_tokens']}: HF generate (autocast) "
               f"{r['hf_generate_autocast']['new_tokens_per_s']:.0f} tok/s, HF bf16 {r['hf_generate_bf16']['new_tokens_per_s']:.0f}, "
               f"plain loop {r['plain_loop_bf16']['new_tokens_per_s']:.0f}, fast bf16 {f['new_tokens_per_s']:.0f} "
@@ -265,6 +288,9 @@ def report(res) -> None:
     print(f"iteration: {it['s']['total']:.3f} s, {it['samples_per_s']:.1f} samples/s, split "
           + ", ".join(f"{k} {v:.0f}%" for k, v in it["split_pct"].items())
           + f"; refresh after opt step {1e3 * res['weight_sync']['refresh_after_optimizer_step_s']:.2f} ms; peak {it['peak_gib']:.1f} GiB")
+    print("experience parts (s):", {k: round(v, 4) for k, v in it["experience_parts_s"].items()},
+          "graphs compiled during the iterations:", it["graphs_compiled_during_iterations"],
+          "iterations (s):", [round(x["total"], 3) for x in it["s_all"]])
 
 
 if __name__ == "__main__":

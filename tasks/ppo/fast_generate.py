@@ -103,6 +103,31 @@ def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+_DECODE_ATTENTION = "reduce"  # "reduce" | "sdpa" | "sdpa_efficient": a benchmark switch (bench/ppo_iteration.py)
+
+
+def _decode_attention(q: Tensor, kc: Tensor, vc: Tensor, bias: Tensor, d: Dims) -> Tensor:
+    """One query per row against the whole cache: q (b, n_heads, 1, hd), kc/vc (b, n_kv, L, hd),
+    additive bias (b, 1, 1, L) -> (b, n_kv, g, hd), g = n_heads / n_kv (grouped-query attention
+    without repeating K/V: a group's heads are its queries).
+
+    Written as products and sums in fp32, which Inductor turns into a few fused reductions that
+    read the cache once; a library attention kernel tiles for long queries and is several times
+    slower for a single one (bench/RESULTS.md)."""
+    b, g = q.shape[0], d.n_heads // d.n_kv
+    qg = q.reshape(b, d.n_kv, g, d.head_dim)
+    if _DECODE_ATTENTION == "sdpa":
+        return F.scaled_dot_product_attention(qg, kc, vc, attn_mask=bias, scale=d.scale)
+    if _DECODE_ATTENTION == "sdpa_efficient":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+            return F.scaled_dot_product_attention(qg, kc, vc, attn_mask=bias, scale=d.scale)
+    scores = (qg.float()[:, :, :, None, :] * kc.float()[:, :, None]).sum(-1) * d.scale + bias  # (b, n_kv, g, L)
+    p = torch.softmax(scores, dim=-1)
+    return (p[..., None] * vc.float()[:, :, None]).sum(-2).to(q.dtype)
+
+
 def _layer(x: Tensor, kc: Tensor, vc: Tensor, cols: Tensor, mask: Tensor, cos: Tensor, sin: Tensor,
            w: tuple, d: Dims, act: Callable) -> Tensor:
     """One decoder layer over T new tokens per row: (b, T, dm) -> (b, T, dm); writes their K/V.
@@ -123,10 +148,8 @@ def _layer(x: Tensor, kc: Tensor, vc: Tensor, cols: Tensor, mask: Tensor, cos: T
     q, k = _rope(q, cos, sin), _rope(k, cos, sin)
     kc.index_copy_(2, cols, k)
     vc.index_copy_(2, cols, v)
-    if T == 1:  # grouped-query decode without repeating K/V: a group's heads are its queries
-        g = d.n_heads // d.n_kv
-        o = F.scaled_dot_product_attention(q.reshape(b, d.n_kv, g, hd), kc, vc, attn_mask=mask, scale=d.scale)
-        o = o.reshape(b, 1, nq)
+    if T == 1:
+        o = _decode_attention(q, kc, vc, mask, d).reshape(b, 1, nq)
     else:
         o = F.scaled_dot_product_attention(q, kc[:, :, :T], vc[:, :, :T], attn_mask=mask, scale=d.scale,
                                            enable_gqa=d.n_kv != d.n_heads)
@@ -252,7 +275,8 @@ class FastGenerator:
 
         self._build_weights()
         want_compile = self.device.type == "cuda" if compile is None else compile
-        self._decode_layer = torch.compile(_layer, dynamic=False, fullgraph=True) if want_compile else _layer
+        # dynamic=None: a second batch size recompiles once with a symbolic batch dimension
+        self._decode_layer = torch.compile(_layer, fullgraph=True) if want_compile else _layer
 
     # ------------------------------------------------------------------ weights
 
