@@ -29,7 +29,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import (H200_BF16_DENSE_TFLOPS, VOCAB, build_policy, build_value_model, copy_gbps,  # noqa: E402
                           machine, matmul_tflops, n_params, peak_gib, profile_top, reset_peak, sync, timed,
                           train_flops, write_json)
-from tasks.ppo import fast_generate  # noqa: E402
 from tasks.ppo.fast_generate import FastGenerator  # noqa: E402
 from tasks.ppo.generation import action_logprobs, generate  # noqa: E402
 from tasks.ppo.group import compile_blocks  # noqa: E402
@@ -105,13 +104,8 @@ def bench_rollout(policy, prompts, attn, a, res):
 
     lora = get_peft_model(copy.deepcopy(bf16), LoraConfig(r=16, target_modules="all-linear", init_lora_weights=False),
                           autocast_adapter_dtype=True)  # fp32 adapter on a bf16 base, as the PPO actor holds
-    variants = [("fast_bf16", bf16, None, "reduce"), ("fast_fp32_master_bf16_copy", policy, torch.bfloat16, "reduce"),
-                ("fast_lora_bf16_base", lora, None, "reduce")]
-    if a.attention_variants and DEV == "cuda":  # the library attention kernels in the same decode, for the record
-        variants += [("fast_bf16_attention_sdpa", bf16, None, "sdpa"), ("fast_bf16_attention_sdpa_efficient", bf16, None, "sdpa_efficient")]
-    for name, model, dtype, attention in variants:
-        fast_generate._DECODE_ATTENTION = attention
-        torch._dynamo.reset()  # the attention choice is a traced global: compile afresh
+    variants = [("fast_bf16", bf16, None), ("fast_fp32_master_bf16_copy", policy, torch.bfloat16), ("fast_lora_bf16_base", lora, None)]
+    for name, model, dtype in variants:
         reset_peak()
         t0 = time.perf_counter()
         fg = FastGenerator(model, max_batch=B, max_len=prompts.shape[1] + N, dtype=dtype)
@@ -123,11 +117,9 @@ def bench_rollout(policy, prompts, attn, a, res):
         res[name] = {"s": statistics.median(ts), "s_all": ts, "new_tokens_per_s": B * N / statistics.median(ts),
                      "setup_compile_capture_s": setup, "refresh_weights_s": statistics.median(refresh),
                      "weight_copy_gib": fg.weight_copy_bytes() / 2**30, "peak_gib": peak_gib()}
-        if name.startswith("fast_bf16") and DEV == "cuda":
+        if name == "fast_bf16" and DEV == "cuda":
             res[name]["decode_step"] = decode_step_numbers(fg, prompts, attn, kw, a)
         del fg
-    fast_generate._DECODE_ATTENTION = "reduce"
-    torch._dynamo.reset()
     base = res["hf_generate_autocast"]["new_tokens_per_s"]
     for k in [v[0] for v in variants] + ["hf_generate_bf16", "plain_loop_bf16"]:
         res[k]["speedup_vs_hf_generate_autocast"] = res[k]["new_tokens_per_s"] / base
@@ -196,7 +188,6 @@ def main() -> None:
     ap.add_argument("--skip-eager-learn", action="store_true")
     ap.add_argument("--profile", action="store_true", help="also record the top GPU kernels of a decode step and a learn step")
     ap.add_argument("--profile-rows", type=int, default=12)
-    ap.add_argument("--attention-variants", action="store_true", help="also time the decode with library attention kernels")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -263,9 +254,6 @@ def report(res) -> None:
     r = res["rollout"]
     if r:
         f = r["fast_bf16"]
-        for k, v in r.items():
-            if k.startswith("fast_bf16_attention"):
-                print(f"  {k}: {v['new_tokens_per_s']:.0f} tok/s, step {v.get('decode_step', {}).get('graph_replay_ms', float('nan')):.3f} ms")
         print(f"rollout B={res['batch']} {res['prompt_len']}+{res['new_tokens']}: HF generate (autocast) "
               f"{r['hf_generate_autocast']['new_tokens_per_s']:.0f} tok/s, HF bf16 {r['hf_generate_bf16']['new_tokens_per_s']:.0f}, "
               f"plain loop {r['plain_loop_bf16']['new_tokens_per_s']:.0f}, fast bf16 {f['new_tokens_per_s']:.0f} "

@@ -103,29 +103,14 @@ def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-_DECODE_ATTENTION = "reduce"  # "reduce" | "sdpa" | "sdpa_efficient": a benchmark switch (bench/ppo_iteration.py)
-
-
 def _decode_attention(q: Tensor, kc: Tensor, vc: Tensor, bias: Tensor, d: Dims) -> Tensor:
     """One query per row against the whole cache: q (b, n_heads, 1, hd), kc/vc (b, n_kv, L, hd),
-    additive bias (b, 1, 1, L) -> (b, n_kv, g, hd), g = n_heads / n_kv (grouped-query attention
-    without repeating K/V: a group's heads are its queries).
-
-    Written as products and sums in fp32, which Inductor turns into a few fused reductions that
-    read the cache once; a library attention kernel tiles for long queries and is several times
-    slower for a single one (bench/RESULTS.md)."""
+    additive bias (b, 1, 1, L) -> (b, n_kv, g, hd), g = n_heads / n_kv: grouped-query attention
+    without repeating K/V, a group's heads being its queries. (On an H200 the library kernel, cuDNN
+    here, beat the same attention as fused Inductor reductions and the memory-efficient kernel:
+    bench/RESULTS.md.)"""
     b, g = q.shape[0], d.n_heads // d.n_kv
-    qg = q.reshape(b, d.n_kv, g, d.head_dim)
-    if _DECODE_ATTENTION == "sdpa":
-        return F.scaled_dot_product_attention(qg, kc, vc, attn_mask=bias, scale=d.scale)
-    if _DECODE_ATTENTION == "sdpa_efficient":
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
-            return F.scaled_dot_product_attention(qg, kc, vc, attn_mask=bias, scale=d.scale)
-    scores = (qg.float()[:, :, :, None, :] * kc.float()[:, :, None]).sum(-1) * d.scale + bias  # (b, n_kv, g, L)
-    p = torch.softmax(scores, dim=-1)
-    return (p[..., None] * vc.float()[:, :, None]).sum(-2).to(q.dtype)
+    return F.scaled_dot_product_attention(q.reshape(b, d.n_kv, g, d.head_dim), kc, vc, attn_mask=bias, scale=d.scale)
 
 
 def _layer(x: Tensor, kc: Tensor, vc: Tensor, cols: Tensor, mask: Tensor, cos: Tensor, sin: Tensor,
