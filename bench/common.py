@@ -23,6 +23,20 @@ VOCAB = 32000
 H200_BF16_DENSE_TFLOPS = 989.0  # datasheet, dense (no sparsity)
 
 
+def workload_args(description: str):
+    """An ArgumentParser with the workload both sides of a comparison must share: the model
+    shape, the batch and the lengths (bench/ppo_iteration.py and bench/trl_ppo.py)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--shape", default="0.4b", choices=sorted(SHAPES))
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--out", default=None, help="results JSON")
+    return ap
+
+
 def llama_config(shape: str, max_len: int = 512):
     from transformers import LlamaConfig
 

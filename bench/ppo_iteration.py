@@ -16,7 +16,6 @@ step (one epoch, one minibatch: what bench/trl_ppo.py runs in TRL), samples/s an
 
 from __future__ import annotations
 
-import argparse
 import copy
 import os
 import statistics
@@ -28,7 +27,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import (H200_BF16_DENSE_TFLOPS, VOCAB, build_policy, build_value_model, copy_gbps,  # noqa: E402
                           machine, matmul_tflops, n_params, peak_gib, profile_top, reset_peak, sync, timed,
-                          train_flops, write_json)
+                          train_flops, workload_args, write_json)
 from tasks.ppo.fast_generate import FastGenerator  # noqa: E402
 from tasks.ppo.generation import action_logprobs, generate  # noqa: E402
 from tasks.ppo.group import compile_blocks  # noqa: E402
@@ -175,11 +174,7 @@ def bench_learn(policy, critic, opt, exp, a, res, tag):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", default="0.4b")
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--new-tokens", type=int, default=128)
+    ap = workload_args(__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--hf-reps", type=int, default=2)
     ap.add_argument("--learn-reps", type=int, default=5)
@@ -188,7 +183,6 @@ def main() -> None:
     ap.add_argument("--skip-eager-learn", action="store_true")
     ap.add_argument("--profile", action="store_true", help="also record the top GPU kernels of a decode step and a learn step")
     ap.add_argument("--profile-rows", type=int, default=12)
-    ap.add_argument("--out", default=None)
     a = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
     B, P, N = a.batch, a.prompt_len, a.new_tokens

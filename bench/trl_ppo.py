@@ -10,7 +10,6 @@ the same Llama shape, fp32 weights with bf16 autocast (``bf16=True``). Iteration
 
 from __future__ import annotations
 
-import argparse
 import copy
 import os
 import sys
@@ -20,7 +19,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import VOCAB, build_policy, build_scalar_model, machine, peak_gib, reset_peak, write_json  # noqa: E402
+from bench.common import VOCAB, build_policy, build_scalar_model, machine, peak_gib, reset_peak, workload_args, write_json  # noqa: E402
 
 
 def word_tokenizer():
@@ -34,13 +33,8 @@ def word_tokenizer():
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", default="0.4b")
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--new-tokens", type=int, default=128)
+    ap = workload_args(__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=3)
-    ap.add_argument("--out", default=None)
     a = ap.parse_args()
 
     from datasets import Dataset
