@@ -146,11 +146,11 @@ def _layer(x: Tensor, kc: Tensor, vc: Tensor, cols: Tensor, mask: Tensor, cos: T
 
 # ----------------------------------------------------------------------------- weights
 
-def _linear_weight(m, name: str) -> tuple[Tensor, Tensor | None]:
-    """(weight, bias) that ``m`` applies: an nn.Linear's own, or a PEFT LoRA layer's base weight
-    plus its active adapters' deltas (``get_delta_weight``: scale * B @ A)."""
+def _linear_weight(m, name: str) -> Tensor:
+    """The weight ``m`` applies: an nn.Linear's own, or a PEFT LoRA layer's base weight plus its
+    active adapters' deltas (``get_delta_weight``: scale * B @ A)."""
     if type(m) is torch.nn.Linear:
-        return m.weight, m.bias
+        return m.weight
     base = getattr(m, "base_layer", None)
     if type(base) is not torch.nn.Linear or not hasattr(m, "get_delta_weight"):
         raise ValueError(f"FastGenerator: {name} is a {type(m).__name__}, not an nn.Linear or a PEFT LoRA Linear")
@@ -162,7 +162,7 @@ def _linear_weight(m, name: str) -> tuple[Tensor, Tensor | None]:
             if getattr(m, "use_dora", {}).get(a) or getattr(m, "lora_bias", {}).get(a):
                 raise ValueError(f"FastGenerator: {name} uses DoRA or a LoRA bias (adapter {a!r}); use ppo.fast_generate 'off'")
             w = w + m.get_delta_weight(a)
-    return w, base.bias
+    return w
 
 
 def _linear_bias(m) -> Tensor | None:
@@ -271,7 +271,7 @@ class FastGenerator:
         names = {id(m): n for n, m in self.lm.named_modules()}
 
         def weight(*mods):  # one module's weight, or several packed along the output dimension
-            ws = [_linear_weight(m, names.get(id(m), type(m).__name__))[0] for m in mods]
+            ws = [_linear_weight(m, names.get(id(m), type(m).__name__)) for m in mods]
             return ws[0] if len(ws) == 1 else torch.cat(ws)
 
         recipes: list[Callable[[], Tensor | None]] = [
