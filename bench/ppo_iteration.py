@@ -21,6 +21,7 @@ import os
 import statistics
 import sys
 import time
+from functools import partial
 
 import torch
 
@@ -111,7 +112,7 @@ def bench_rollout(policy, prompts, attn, a, res):
         fg.generate(prompts, attn, **kw)  # compiles and captures the graph
         sync()
         setup = time.perf_counter() - t0
-        ts = time_reps(lambda: fg.generate(prompts, attn, **kw), a.reps)
+        ts = time_reps(partial(fg.generate, prompts, attn, **kw), a.reps)
         refresh = time_reps(fg.refresh_weights, 3)
         res[name] = {"s": statistics.median(ts), "s_all": ts, "new_tokens_per_s": B * N / statistics.median(ts),
                      "setup_compile_capture_s": setup, "refresh_weights_s": statistics.median(refresh),

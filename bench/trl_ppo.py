@@ -37,10 +37,10 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=3)
     a = ap.parse_args()
 
+    import trl
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl.experimental.ppo import PPOConfig, PPOTrainer
-    import trl
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     policy = build_policy(a.shape, device)

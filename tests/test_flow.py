@@ -9,7 +9,6 @@ the server.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import subprocess

@@ -289,9 +289,9 @@ class FastGenerator:
         self._recipes = recipes
         with torch.no_grad():
             made = [r() for r in recipes]
-            self._params = {id(p) for p in self.lm.parameters()}
+            params = {id(p) for p in self.lm.parameters()}
             # a parameter already in the cache dtype is read where it is; anything else is a buffer
-            self._direct = [t is None or (id(t) in self._params and t.dtype == self.dtype) for t in made]
+            self._direct = [t is None or (id(t) in params and t.dtype == self.dtype) for t in made]
             self._weights = [None if t is None else t.detach() if direct else t.detach().to(self.dtype).clone()
                              for t, direct in zip(made, self._direct)]
         self._param_ptrs = self._pointers()

@@ -26,9 +26,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from tasks.common.loop import autocast
 from tasks.ppo.config import PPOConfig
 from tasks.ppo.fast_generate import fast_generate_applies
-from tasks.common.loop import autocast
 from tasks.ppo.group import DistributedWorker, agree_finished, compile_blocks, full_state, load_full_state, wants_compile, wrap_learner
 
 

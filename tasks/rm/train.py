@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import tempfile
-from pathlib import Path
 
 import torch
 
