@@ -78,8 +78,9 @@ def test_config_errors_name_field_value_and_fix():
 
 def test_compiled_blocks_compile_once_and_match_eager():
     """compile_blocks (ppo.compile): one compiled graph serves every decoder layer (the training
-    forwards pass no KV cache, whose per-layer index would force a compile per layer), and a LoRA
-    policy's log-probs and gradients match the eager model's (Inductor's CPU backend here)."""
+    forwards pass no KV cache, whose per-layer index would force a compile per layer; the KV-cache
+    decode loop runs the blocks eagerly), and a LoRA policy's log-probs and gradients match the
+    eager model's (Inductor's CPU backend here)."""
     from peft import LoraConfig, get_peft_model
     from torch._dynamo.utils import counters
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -98,6 +99,10 @@ def test_compiled_blocks_compile_once_and_match_eager():
     ids = torch.randint(1, 64, (4, 12), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     mask[0, :5] = 0  # left padding: the mask path, not only is_causal
+    from tasks.ppo.generation import generate
+
+    decoded = [generate(m, ids, mask, max_new_tokens=4, eos_token_id=-1, pad_token_id=0, greedy=True).sequences for m in models]
+    assert torch.equal(decoded[0], decoded[1]) and counters["stats"]["unique_graphs"] == 0  # the decode loop runs eagerly
     grads = []
     for m in models:
         logp = action_logprobs(m, ids, mask, 5)

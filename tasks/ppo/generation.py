@@ -115,29 +115,32 @@ def generate(
 
     was_training = model.training
     model.eval()
-    try:
-        out = model(input_ids=input_ids, attention_mask=attn, position_ids=position_ids_from_mask(attn),
-                    use_cache=True, **{cache_kw: cache})
-        next_pos = attn.sum(-1, keepdim=True)  # (B, 1): position of the first response token
-        for step in range(N):
-            token = sample_next(out.logits[:, -1, :], temperature, top_k, top_p, generator, greedy)
-            token = torch.where(finished, torch.full_like(token, pad_token_id), token)
-            responses[:, step] = token
-            resp_attn[:, step] = (~finished).long()
-            finished = finished | (token == eos_token_id)
-            if step == N - 1:
-                break
-            done = bool(finished.all())
-            if all_finished is not None:
-                done = bool(all_finished(done))
-            if done:
-                break
-            full_attn = torch.cat([attn, resp_attn[:, : step + 1]], dim=1)
-            out = model(input_ids=token[:, None], attention_mask=full_attn, position_ids=next_pos,
+    # compiled blocks (ppo.compile) run eagerly here: the KV cache's per-layer index would make
+    # them recompile once per layer
+    with torch.compiler.set_stance("force_eager"):
+        try:
+            out = model(input_ids=input_ids, attention_mask=attn, position_ids=position_ids_from_mask(attn),
                         use_cache=True, **{cache_kw: cache})
-            next_pos = next_pos + 1
-    finally:
-        model.train(was_training)
+            next_pos = attn.sum(-1, keepdim=True)  # (B, 1): position of the first response token
+            for step in range(N):
+                token = sample_next(out.logits[:, -1, :], temperature, top_k, top_p, generator, greedy)
+                token = torch.where(finished, torch.full_like(token, pad_token_id), token)
+                responses[:, step] = token
+                resp_attn[:, step] = (~finished).long()
+                finished = finished | (token == eos_token_id)
+                if step == N - 1:
+                    break
+                done = bool(finished.all())
+                if all_finished is not None:
+                    done = bool(all_finished(done))
+                if done:
+                    break
+                full_attn = torch.cat([attn, resp_attn[:, : step + 1]], dim=1)
+                out = model(input_ids=token[:, None], attention_mask=full_attn, position_ids=next_pos,
+                            use_cache=True, **{cache_kw: cache})
+                next_pos = next_pos + 1
+        finally:
+            model.train(was_training)
 
     return Rollout(
         sequences=torch.cat([input_ids, responses], dim=1),

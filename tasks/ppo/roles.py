@@ -141,9 +141,8 @@ class PolicyWorker(_LearnerMixin, DistributedWorker):
                   generator=gen, greedy=greedy, all_finished=self.all_finished)
         if self.fast:
             ro = self._fast_generator(*ids.shape).generate(ids, mask, **kw)
-        else:  # blocks run eagerly here: compiled ones would recompile per layer for the KV cache
-            with torch.compiler.set_stance("force_eager"):
-                ro = generate(self.infer_model, ids, mask, **kw)
+        else:
+            ro = generate(self.infer_model, ids, mask, **kw)
         ro = type(ro)(*(t.cpu() for t in ro))
         return ro if split == 1 else tuple(_chunks(ro, split))
 
