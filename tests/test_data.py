@@ -12,8 +12,9 @@ from storage.store import ArtifactStore
 from tasks.common.model import ModelConfig, load_tokenizer
 from tasks.data.config import DataConfig
 from tasks.data.dataset import collate_lm, collate_pairs, collate_prompts, read_jsonl
+from tasks.data.encode import Encoder
 from tasks.data.formats import DataError, read_preferences, read_prompts, read_ptx, read_sft
-from tasks.data.prepare import Encoder, check_data, data_key, group_lines, prepare_data, split_indices
+from tasks.data.prepare import check_data, data_key, group_lines, prepare_data, split_indices
 
 TEMPLATE = DataConfig().prompt_template
 
