@@ -13,10 +13,26 @@ from tasks.common.model import ModelConfig, load_tokenizer
 from tasks.data.config import DataConfig
 from tasks.data.dataset import collate_lm, collate_pairs, collate_prompts, read_jsonl
 from tasks.data.encode import Encoder
-from tasks.data.formats import DataError, read_preferences, read_prompts, read_ptx, read_sft
+from tasks.data.formats import DataError, read_records
 from tasks.data.prepare import check_data, data_key, group_lines, prepare_data, split_indices
 
 TEMPLATE = DataConfig().prompt_template
+
+
+def read_sft(uri, storage_options=None, **kw):
+    return read_records("sft", uri, storage_options, **kw)
+
+
+def read_ptx(uri, storage_options=None, **kw):
+    return read_records("ptx", uri, storage_options, **kw)
+
+
+def read_prompts(uri, storage_options=None, **kw):
+    return read_records("prompts", uri, storage_options, **kw)
+
+
+def read_preferences(uri, storage_options=None, **kw):
+    return read_records("preference", uri, storage_options, **kw)
 
 
 def mem(name: str, content: bytes | str) -> str:
@@ -74,20 +90,21 @@ def test_ptx_formats():
 
 
 BAD = [
-    (read_sft, "e.txt", b"\n  \n", "is empty"),
-    (read_prompts, "p.csv", b"act,text\nx,y\n", "no 'prompt' column; the columns found are ['act', 'text']"),
+    (read_sft, "e.txt", b"\n  \n", "is empty; it needs at least one record"),
+    (read_prompts, "p.csv", b"act,text2\nx,y\n", "line 2: found keys ['act', 'text2']; a record needs prompt"),
     (read_sft, "s.jsonl", b'{"text": "a"}\n{"text": \n', "line 2: malformed JSON"),
     (read_sft, "s.txt", b"ok\nfine\ncaf\xe9\n", "line 3: bytes b'\\xe9' are not UTF-8; re-save the file as UTF-8"),
-    (read_preferences, "p.jsonl", jsonl({"prompt": "p", "chosen": "c"}).encode(), "line 1: missing key 'rejected'; each line needs prompt, chosen, rejected"),
+    (read_preferences, "p.jsonl", jsonl({"prompt": "p", "chosen": "c"}).encode(), "line 1: missing key 'rejected'; a preference record needs chosen and rejected"),
     (read_preferences, "p.jsonl", jsonl({"prompt": "p", "chosen": "c", "rejected": "r"}, {"prompt": "p", "rejected": "r"}).encode(), "line 2: missing key 'chosen'"),
-    (read_preferences, "p.jsonl", jsonl({"chosen": "c", "rejected": "r"}).encode(), "line 1: missing key 'prompt'"),
-    (read_prompts, "p.jsonl", jsonl({"text": "x"}).encode(), "line 1: found keys ['text']; each line needs prompt (a string) or messages"),
+    (read_preferences, "p.jsonl", jsonl({"prompt": "p", "chosen": 3, "rejected": "r"}).encode(), "line 1: 'chosen' must be a string, got int 3"),
+    (read_prompts, "p.jsonl", jsonl({"question": "x"}).encode(), "line 1: found keys ['question']; a record needs prompt"),
     (read_sft, "s.jsonl", jsonl({"prompt": "x"}).encode(), "line 1: missing key 'response'"),
     (read_sft, "s.jsonl", jsonl({"prompt": 3, "response": "x"}).encode(), "'prompt' must be a string, got int 3"),
     (read_sft, "s.jsonl", b"[1, 2]\n", "a JSON list, not an object"),
     (read_sft, "s.jsonl", jsonl({"messages": [{"role": "robot", "content": "x"}]}).encode(), "roles are system, user, assistant"),
-    (read_sft, "s.parquet", b"x", "unknown extension '.parquet'; SFT data can be .txt, .jsonl"),
-    (read_preferences, "p.csv", b"x", "preference pairs can be .jsonl"),
+    (read_sft, "s.parquet", b"x", "not a readable Parquet file"),
+    (read_sft, "s.xlsx", b"x", "unknown extension '.xlsx'"),
+    (read_preferences, "p.txt", b"x\n", "a line of text; preference pairs need prompt, chosen and rejected"),
 ]
 
 
@@ -229,7 +246,7 @@ def test_prepare_user_files_truncates_and_drops(rlhf_cache):
     path = store.fetch(prepare_data(cfg, ModelConfig(), store, seed=0).key)
     meta = json.loads((path / "meta.json").read_text())
     tok = load_tokenizer(ModelConfig(), str(path / "tokenizer"))
-    assert meta["truncated"]["preference"] == 1 and meta["dropped"]["preference_response_too_long"] == 1
+    assert meta["truncated"]["preference"] == 1 and meta["dropped"]["preference"] == {"response_too_long": 1}
     assert meta["truncated"]["prompts"] == 1
     assert meta["counts"]["sft_train.jsonl"] + meta["counts"]["sft_eval.jsonl"] == 3  # short_text: a line a sample
 
@@ -246,7 +263,7 @@ def test_prepare_user_files_truncates_and_drops(rlhf_cache):
 
     all_long = cfg.model_copy(update={"preference_path": mem("p.jsonl", jsonl(
         *[{"prompt": "Describe the cat.", "chosen": long_response, "rejected": "x"}] * 3))})
-    with pytest.raises(DataError, match=r"data.preference_path .*3 records gave 0 samples.*preference_response_too_long': 3"):
+    with pytest.raises(DataError, match=r"data.preference_path .*3 records gave 0 samples.*response_too_long': 3"):
         prepare_data(all_long, ModelConfig(), store, seed=0)
 
 

@@ -14,10 +14,13 @@ from storage.store import reject_credentials
 class DataConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    sft_path: str | None = Field(None, description="SFT data URI (.txt one item a line, or .jsonl with prompt/response, messages or text). None: the built-in task.")
-    preference_path: str | None = Field(None, description="Preference pairs URI (.jsonl with prompt/chosen/rejected). None: the built-in task.")
-    prompts_path: str | None = Field(None, description="PPO prompts URI (.txt a prompt a line, .csv with a `prompt` column, or .jsonl). None: the built-in task.")
-    ptx_path: str | None = Field(None, description="Pretraining text URI for the PPO ptx loss (.txt or .jsonl with text, or prompt/response). None: the built-in task.")
+    # A source is a file, a glob of shards or a folder (also a datasets.save_to_disk folder) of
+    # .jsonl .json .csv .tsv .txt .parquet .arrow, optionally .gz/.bz2/.xz/.zst (tasks/data/sources.py).
+    sft_path: str | None = Field(None, description="SFT data URI: prompt/response, Alpaca instruction/output, messages, ShareGPT conversations or text records (README: Data). None: the built-in task.")
+    preference_path: str | None = Field(None, description="Preference pairs URI: prompt/chosen/rejected, HH-style full transcripts (prompt implicit) or conversational pairs. None: the built-in task.")
+    prompts_path: str | None = Field(None, description="PPO prompts URI: prompt, messages, conversations, Alpaca instruction, preference pairs (their prompt), or .txt lines. None: the built-in task.")
+    ptx_path: str | None = Field(None, description="Pretraining text URI for the PPO ptx loss (the SFT shapes). None: the built-in task.")
+    columns: dict[str, str] = Field(default_factory=dict, description="Rename your fields to ours: {prompt|response|chosen|rejected|messages|text: your_field}, for every source that has that field; '<source>.<name>' (e.g. 'preference.prompt') for one source, required in each of its records.")
     storage_options: dict[str, Any] = Field(default_factory=dict, description="fsspec options for the data URIs (not credentials: those come from the environment).")
     eval_fraction: float = Field(0.1, gt=0.0, lt=1.0, description="Share of each data set held out for evaluation (split by seed).")
     max_length: int = Field(64, gt=8, description="Max tokens of a training sequence (seed: 512).")
@@ -39,6 +42,20 @@ class DataConfig(BaseModel):
     def _has_response(cls, v: str) -> str:
         if "{response}" not in v:
             raise ValueError(f"data.response_template {v!r} has no {{response}} placeholder; write e.g. ' {{response}}'")
+        return v
+
+    @field_validator("columns")
+    @classmethod
+    def _known_columns(cls, v: dict[str, str]) -> dict[str, str]:
+        from tasks.data.formats import COLUMNS, KINDS
+
+        for key, col in v.items():
+            kind, _, name = key.rpartition(".")
+            if name not in COLUMNS or (kind and kind not in KINDS):
+                raise ValueError(f"data.columns key {key!r}: expected one of {', '.join(COLUMNS)}, optionally prefixed "
+                                 f"by a source ({', '.join(KINDS)}), e.g. 'prompt' or 'preference.prompt'")
+            if not col.strip():
+                raise ValueError(f"data.columns[{key!r}] is empty; give the name of the field in your data")
         return v
 
     @field_validator("storage_options")

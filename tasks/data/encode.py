@@ -44,11 +44,12 @@ class Encoder:
                 ids = ids[: last + 1]
         return ids if ids and ids[-1] == self.eos else ids + [self.eos]
 
-    def prompt_ids(self, prompt: str) -> list[int]:
-        return self.prefix + self.enc(self.cfg.prompt_template.replace("{prompt}", prompt))
+    def prompt_ids(self, prompt: str, verbatim: bool = False) -> list[int]:
+        """Verbatim text already holds its role markers (an HH transcript): no template around it."""
+        return self.prefix + self.enc(prompt if verbatim else self.cfg.prompt_template.replace("{prompt}", prompt))
 
-    def response_ids(self, response: str) -> list[int]:
-        return self.enc(self.cfg.response_template.replace("{response}", response)) + [self.eos]
+    def response_ids(self, response: str, verbatim: bool = False) -> list[int]:
+        return self.enc(response if verbatim else self.cfg.response_template.replace("{response}", response)) + [self.eos]
 
     def prompt_response(self, prompt: str, response: str) -> tuple[list[int], list[int], bool]:
         """(input_ids, labels, truncated): labels -100 on the prompt; an over-long prompt loses its left."""
@@ -83,12 +84,15 @@ class Encoder:
     def render_prompt(self, record: dict) -> str:
         if "messages" in record:
             return self.chat(record["messages"], True)
+        if record.get("verbatim"):
+            return record["prompt"]
         return self.cfg.prompt_template.replace("{prompt}", record["prompt"])
 
     def pair(self, rec: dict) -> tuple[list[int], list[int], list[int]]:
         """(prompt, chosen completion, rejected completion) token ids; completions end with EOS."""
         if "prompt" in rec:
-            return self.prompt_ids(rec["prompt"]), self.response_ids(rec["chosen"]), self.response_ids(rec["rejected"])
+            v = bool(rec.get("verbatim"))
+            return self.prompt_ids(rec["prompt"], v), self.response_ids(rec["chosen"], v), self.response_ids(rec["rejected"], v)
         head = self.chat(rec["prompt_messages"], True)
         out = [self.enc(head)]
         for key in ("chosen_messages", "rejected_messages"):

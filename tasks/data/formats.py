@@ -1,148 +1,203 @@
-"""Parsers of the data sources into plain records. Pure: fsspec, json, csv; no tokenizer.
+"""Raw records in their published shapes -> the records data prep tokenizes. Pure: no tokenizer.
 
-Each ``read_*`` takes a URI (any fsspec protocol) and returns a list of dicts; the matching
-``parse_*`` takes the bytes, so data prep can hash a file and parse it from one read. Text is
-strict UTF-8, and every error is a ``DataError`` that names the config field, the URI, the line
-and the fix. Record shapes:
+Shapes recognised (after ``data.columns`` renames the user's fields to these names):
 
-- SFT / ptx: ``{"text"}``, ``{"prompt", "response"}`` or ``{"messages": [{role, content}]}``
-- prompts: ``{"prompt"}`` or ``{"messages"}`` (the conversation before the answer)
-- preference pairs: ``{"prompt", "chosen", "rejected"}`` (strings) or
-  ``{"prompt_messages", "chosen_messages", "rejected_messages"}`` (chosen/rejected hold only the
-  completion turns)
+- SFT / ptx: ``text``; ``prompt`` + ``response`` (or ``completion``, TRL); Alpaca ``instruction``
+  (+ ``input``) + ``output``; OpenAI ``messages`` [{role, content}]; ShareGPT ``conversations``
+  [{from: human|gpt|system, value}]; TRL conversational prompt/completion (message lists).
+- prompts: ``prompt``; ``messages`` / ``conversations`` (the turns before the last answer);
+  Alpaca ``instruction`` (+ ``input``); a preference pair (its prompt); a ``.txt`` line.
+- preference pairs: ``prompt`` + ``chosen`` + ``rejected`` as strings; ``chosen`` / ``rejected``
+  full transcripts with the prompt implicit (Anthropic HH: the prompt is the shared text up to
+  the last ``Assistant:``; TRL's implicit prompt); the conversational forms (message lists or a
+  single {role, content} dict, with or without ``prompt``).
+
+Output records: ``{"text"}``, ``{"prompt", "response"}``, ``{"messages"}`` (SFT/ptx);
+``{"prompt"}`` / ``{"messages"}`` (prompts); ``{"prompt", "chosen", "rejected"}`` or
+``{"prompt_messages", "chosen_messages", "rejected_messages"}`` (pairs). ``"verbatim": True``
+marks text that already holds its role markers (HH transcripts): data prep does not wrap it in
+``data.prompt_template`` again. Degenerate records (empty text, chosen identical to rejected, no
+answer to learn) raise ``Drop`` with a reason; the caller counts and skips them. Anything else
+malformed is a ``DataError`` naming the field, URI, line or record, and the fix.
 """
 
 from __future__ import annotations
 
-import csv
-import io
-import json
-from typing import Any, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
-import fsspec
+from tasks.data.sources import DataError, open_source
 
 ROLES = ("system", "user", "assistant")
+_ROLE_NAMES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant",
+               "chatgpt": "assistant", "bot": "assistant", "model": "assistant"}
+COLUMNS = ("prompt", "response", "chosen", "rejected", "messages", "text")  # what data.columns may map to
+KINDS = ("sft", "preference", "prompts", "ptx")
+_ASSISTANT_MARKERS = ("\n\nAssistant:", "\nAssistant:", "Assistant:", "ASSISTANT:")
+__all__ = ["DataError", "Drop", "normalize", "read_records"]
 
 
-class DataError(ValueError):
-    """A data source is unreadable or malformed; the message names the field, line and fix."""
+class Drop(Exception):
+    """A degenerate record: counted under ``reason`` and left out."""
 
-
-# -- reading bytes -----------------------------------------------------------------------------
-def read_bytes(uri: str, storage_options: Mapping[str, Any] | None = None, field: str = "data") -> bytes:
-    try:
-        with fsspec.open(uri, "rb", **dict(storage_options or {})) as f:
-            return f.read()
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{field} {uri!r}: no such file; check the path (and data.storage_options for remote stores)") from None
-    except IsADirectoryError:
-        raise DataError(f"{field} {uri!r} is a directory; point it at one data file") from None
-    except (ValueError, ImportError) as e:  # unknown protocol, bad URL: fsspec says which
-        raise DataError(f"{field} {uri!r} cannot be opened ({e}); use a local path or an installed fsspec protocol (file://, memory://, s3://)") from None
-
-
-def extension(uri: str) -> str:
-    name = uri.split("?", 1)[0].rstrip("/").rsplit("/", 1)[-1]
-    return "." + name.rsplit(".", 1)[1].lower() if "." in name else ""
-
-
-def _decode(data: bytes, uri: str, field: str) -> str:
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = data[: e.start].count(b"\n") + 1
-        raise DataError(
-            f"{field} {uri!r} line {line}: bytes {data[e.start:e.end]!r} are not UTF-8; "
-            "re-save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
-        ) from None
-    if not text.strip():
-        raise DataError(f"{field} {uri!r} is empty; it needs at least one record")
-    return text.removeprefix("\ufeff")  # a BOM from Windows editors is not part of the first record
-
-
-def _check_ext(uri: str, field: str, allowed: tuple[str, ...], what: str) -> str:
-    ext = extension(uri)
-    if ext not in allowed:
-        raise DataError(f"{field} {uri!r}: unknown extension {ext or '(none)'!r}; {what} can be {', '.join(allowed)}")
-    return ext
-
-
-def _lines(text: str) -> list[tuple[int, str]]:
-    """(1-based line number, line) of the non-blank lines, without the newline."""
-    return [(i, line.rstrip("\r")) for i, line in enumerate(text.split("\n"), 1) if line.strip()]
-
-
-def _jsonl(text: str, uri: str, field: str) -> list[tuple[int, dict]]:
-    out = []
-    for n, line in _lines(text):
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{field} {uri!r} line {n}: malformed JSON ({e.msg} at column {e.colno}); each line must be one JSON object") from None
-        if not isinstance(obj, dict):
-            raise DataError(f"{field} {uri!r} line {n}: a JSON {type(obj).__name__}, not an object; each line must be one JSON object like {{\"prompt\": ...}}")
-        out.append((n, obj))
-    return out
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
 
 
 # -- field checks ------------------------------------------------------------------------------
-def _str(obj: dict, key: str, where: str) -> str:
+def _str(obj: Mapping, key: str, where: str, drop: str) -> str:
     v = obj[key]
+    if v is None:
+        raise Drop(drop)
     if not isinstance(v, str):
-        raise DataError(f"{where}: {key!r} must be a string, got {type(v).__name__} {v!r}"[:300] + "; write it as JSON text")
+        raise DataError(f"{where}: {key!r} must be a string, got {type(v).__name__} {v!r}"[:300] + "; write it as text")
     if not v.strip():
-        raise DataError(f"{where}: {key!r} is empty; give it some text or remove the line")
+        raise Drop(drop)
     return v
 
 
 def _messages(v: Any, key: str, where: str) -> list[dict]:
+    """OpenAI {role, content} or ShareGPT {from, value} turns (a single dict is one turn)."""
+    if isinstance(v, dict):
+        v = [v]
     if not isinstance(v, list) or not v:
         raise DataError(f"{where}: {key!r} must be a non-empty list of {{role, content}} objects, got {type(v).__name__}")
     out = []
     for i, m in enumerate(v):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise DataError(f"{where}: {key}[{i}] must be an object with string 'role' and 'content', got {m!r}"[:300])
-        if m["role"] not in ROLES:
-            raise DataError(f"{where}: {key}[{i}] has role {m['role']!r}; roles are {', '.join(ROLES)}")
-        out.append({"role": m["role"], "content": m["content"]})
+        if not isinstance(m, dict):
+            raise DataError(f"{where}: {key}[{i}] must be an object with 'role' and 'content', got {m!r}"[:300])
+        role, content = (m.get("role"), m.get("content")) if "role" in m else (m.get("from"), m.get("value"))
+        if not isinstance(role, str) or not isinstance(content, str):
+            raise DataError(f"{where}: {key}[{i}] must have string 'role' and 'content' (or ShareGPT 'from' and "
+                            f"'value'), got {m!r}"[:300])
+        if role.lower() not in _ROLE_NAMES:
+            raise DataError(f"{where}: {key}[{i}] has role {role!r}; roles are {', '.join(ROLES)} "
+                            "(ShareGPT: human, gpt, system)")
+        out.append({"role": _ROLE_NAMES[role.lower()], "content": content})
     return out
 
 
-def _missing(obj: dict, where: str, need: str) -> DataError:
-    return DataError(f"{where}: found keys {sorted(obj)}; each line needs {need}")
+def _conversation(obj: Mapping) -> str | None:
+    return next((k for k in ("messages", "conversations") if k in obj), None)
+
+
+def _alpaca_prompt(obj: Mapping, where: str) -> str:
+    """Alpaca's instruction, with its optional input after a blank line."""
+    instruction = _str(obj, "instruction", where, "empty_prompt")
+    extra = obj.get("input")
+    if extra is not None and not isinstance(extra, str):
+        raise DataError(f"{where}: 'input' must be a string, got {type(extra).__name__}")
+    return f"{instruction}\n\n{extra}" if extra and extra.strip() else instruction
+
+
+def _missing(obj: Mapping, where: str, need: str) -> DataError:
+    return DataError(f"{where}: found keys {sorted(obj)}; a record needs {need}, "
+                     "or map your field names with data.columns (e.g. --set data.columns.prompt=question)")
 
 
 # -- SFT and ptx -------------------------------------------------------------------------------
-def _lm_record(obj: dict, where: str, allow_messages: bool) -> dict:
+def _with_answer(msgs: list[dict]) -> list[dict]:
+    if not any(m["role"] == "assistant" for m in msgs):
+        raise Drop("no_assistant_turn")
+    if not any(m["content"].strip() for m in msgs if m["role"] == "assistant"):
+        raise Drop("empty_response")
+    return msgs
+
+
+def lm_record(obj: Any, where: str) -> dict:
+    if isinstance(obj, str):  # a .txt line
+        return {"text": obj}
+    if conv := _conversation(obj):
+        return {"messages": _with_answer(_messages(obj[conv], conv, where))}
+    answer = next((k for k in ("response", "completion") if k in obj), None)
+    if "prompt" in obj and answer:
+        p, a = obj["prompt"], obj[answer]
+        if isinstance(p, (list, dict)) or isinstance(a, (list, dict)):  # TRL conversational prompt-completion
+            prompt = _messages(p, "prompt", where) if isinstance(p, (list, dict)) else [{"role": "user", "content": _str(obj, "prompt", where, "empty_prompt")}]
+            done = _messages(a, answer, where) if isinstance(a, (list, dict)) else [{"role": "assistant", "content": _str(obj, answer, where, "empty_response")}]
+            return {"messages": _with_answer(prompt + done)}
+        return {"prompt": _str(obj, "prompt", where, "empty_prompt"), "response": _str(obj, answer, where, "empty_response")}
     if "prompt" in obj or "response" in obj:
-        for key in ("prompt", "response"):
-            if key not in obj:
-                raise DataError(f"{where}: missing key {key!r}; a prompt/response line needs both")
-        return {"prompt": _str(obj, "prompt", where), "response": _str(obj, "response", where)}
-    if allow_messages and "messages" in obj:
-        msgs = _messages(obj["messages"], "messages", where)
-        if not any(m["role"] == "assistant" for m in msgs):
-            raise DataError(f"{where}: 'messages' has no assistant turn, so there is nothing to learn; add one or drop the line")
-        return {"messages": msgs}
+        raise DataError(f"{where}: missing key {'response' if 'prompt' in obj else 'prompt'!r}; a prompt/response record needs both")
+    if "instruction" in obj and "output" in obj:
+        return {"prompt": _alpaca_prompt(obj, where), "response": _str(obj, "output", where, "empty_response")}
     if "text" in obj:
-        return {"text": _str(obj, "text", where)}
-    raise _missing(obj, where, "prompt+response, messages or text" if allow_messages else "text or prompt+response")
+        return {"text": _str(obj, "text", where, "empty_text")}
+    raise _missing(obj, where, "text, prompt+response, instruction+output (Alpaca), messages or conversations (ShareGPT)")
 
 
-def _parse_lm(data: bytes, uri: str, field: str, what: str, allow_messages: bool) -> list[dict]:
-    ext = _check_ext(uri, field, (".txt", ".jsonl"), what)
-    text = _decode(data, uri, field)
-    if ext == ".txt":
-        return [{"text": line} for _, line in _lines(text)]
-    return [_lm_record(obj, f"{field} {uri!r} line {n}", allow_messages) for n, obj in _jsonl(text, uri, field)]
+# -- preference pairs --------------------------------------------------------------------------
+def _completion(v: Any, key: str, prompt_msgs: list[dict], where: str) -> list[dict]:
+    msgs = _messages(v, key, where)
+    if msgs[: len(prompt_msgs)] == prompt_msgs:  # the full conversation, prompt included
+        msgs = msgs[len(prompt_msgs):]
+    if not msgs or msgs[-1]["role"] != "assistant":
+        raise DataError(f"{where}: {key!r} must end with an assistant turn after the prompt turns")
+    if not msgs[-1]["content"].strip():
+        raise Drop("empty_response")
+    return msgs
 
 
-def parse_sft(data: bytes, uri: str, field: str = "data.sft_path") -> list[dict]:
-    return _parse_lm(data, uri, field, "SFT data", allow_messages=True)
+def _common_prefix(a: list, b: list) -> int:
+    n = 0
+    while n < min(len(a), len(b)) - 1 and a[n] == b[n]:
+        n += 1
+    return n
 
 
-def parse_ptx(data: bytes, uri: str, field: str = "data.ptx_path") -> list[dict]:
-    return _parse_lm(data, uri, field, "ptx data", allow_messages=False)
+def split_implicit_prompt(chosen: str, rejected: str) -> tuple[str, str, str]:
+    """(prompt, chosen, rejected) of two full transcripts: the shared text up to its last
+    ``Assistant:`` marker (HH); without one, the shared text up to a word boundary (TRL)."""
+    n = next((i for i, (a, b) in enumerate(zip(chosen, rejected)) if a != b), min(len(chosen), len(rejected)))
+    head = chosen[:n]
+    cuts = [head.rfind(m) + len(m) for m in _ASSISTANT_MARKERS if m in head]
+    if cuts:
+        n = max(cuts)
+    else:
+        while n > 0 and not chosen[n - 1].isspace():
+            n -= 1
+    return chosen[:n], chosen[n:], rejected[n:]
+
+
+def pair_record(obj: Any, where: str) -> dict:
+    if isinstance(obj, str):
+        raise DataError(f"{where}: a line of text; preference pairs need prompt, chosen and rejected fields (.jsonl, .json, .parquet...)")
+    for key in ("chosen", "rejected"):
+        if key not in obj:
+            raise DataError(f"{where}: missing key {key!r}; a preference record needs chosen and rejected "
+                            "(and a prompt, unless chosen/rejected are full transcripts); found keys "
+                            f"{sorted(obj)}; map other names with data.columns")
+    c, r = obj["chosen"], obj["rejected"]
+    if c == r:
+        raise Drop("chosen_equals_rejected")
+    p = obj.get("prompt")
+    if isinstance(c, (list, dict)) or isinstance(r, (list, dict)) or isinstance(p, (list, dict)):
+        if p is None:  # the prompt is the conversation the two share
+            cm, rm = _messages(c, "chosen", where), _messages(r, "rejected", where)
+            prompt_msgs = cm[: _common_prefix(cm, rm)]
+            if not prompt_msgs:
+                raise Drop("no_shared_prompt")
+        elif isinstance(p, str):
+            prompt_msgs = [{"role": "user", "content": _str(obj, "prompt", where, "empty_prompt")}]
+        else:
+            prompt_msgs = _messages(p, "prompt", where)
+        as_msgs = {k: v if isinstance(v, (list, dict)) else [{"role": "assistant", "content": _str(obj, k, where, "empty_response")}]
+                   for k, v in (("chosen", c), ("rejected", r))}
+        out = {"prompt_messages": prompt_msgs,
+               "chosen_messages": _completion(as_msgs["chosen"], "chosen", prompt_msgs, where),
+               "rejected_messages": _completion(as_msgs["rejected"], "rejected", prompt_msgs, where)}
+        if out["chosen_messages"] == out["rejected_messages"]:
+            raise Drop("chosen_equals_rejected")
+        return out
+    c, r = _str(obj, "chosen", where, "empty_response"), _str(obj, "rejected", where, "empty_response")
+    if p is not None:
+        return {"prompt": _str(obj, "prompt", where, "empty_prompt"), "chosen": c, "rejected": r}
+    prompt, c, r = split_implicit_prompt(c, r)
+    if not prompt.strip():
+        raise Drop("no_shared_prompt")
+    if not c.strip() or not r.strip():
+        raise Drop("empty_response")
+    return {"prompt": prompt, "chosen": c, "rejected": r, "verbatim": True}
 
 
 # -- prompts -----------------------------------------------------------------------------------
@@ -164,110 +219,79 @@ def strip_answer(line: str, prompt_template: str | None) -> str:
     return line.strip()
 
 
-def _prompt_record(obj: dict, where: str) -> dict:
+def prompt_record(obj: Any, where: str, prompt_template: str | None = None) -> dict:
+    if isinstance(obj, str) or (isinstance(obj, dict) and set(obj) == {"text"}):
+        line = obj if isinstance(obj, str) else _str(obj, "text", where, "empty_prompt")
+        prompt = strip_answer(line, prompt_template)
+        if not prompt:
+            raise Drop("empty_prompt")
+        return {"prompt": prompt}
+    if "chosen" in obj and "rejected" in obj:  # a preference file used for prompts
+        pair = pair_record(obj, where)
+        if "prompt_messages" in pair:
+            return {"messages": pair["prompt_messages"]}
+        return {k: v for k, v in pair.items() if k in ("prompt", "verbatim")}
     if "prompt" in obj:
-        return {"prompt": _str(obj, "prompt", where)}
-    if "messages" in obj:
-        msgs = _messages(obj["messages"], "messages", where)
+        if isinstance(obj["prompt"], (list, dict)):
+            return prompt_record({"messages": obj["prompt"]}, where)
+        return {"prompt": _str(obj, "prompt", where, "empty_prompt")}
+    if conv := _conversation(obj):
+        msgs = _messages(obj[conv], conv, where)
         while msgs and msgs[-1]["role"] == "assistant":  # the answer part, as for .txt lines
             msgs.pop()
         if not msgs:
-            raise DataError(f"{where}: 'messages' holds only assistant turns; a prompt needs a user turn")
+            raise Drop("no_user_turn")
         return {"messages": msgs}
-    raise _missing(obj, where, "prompt (a string) or messages")
+    if "instruction" in obj:
+        return {"prompt": _alpaca_prompt(obj, where)}
+    raise _missing(obj, where, "prompt, messages, conversations, instruction (Alpaca), or chosen+rejected")
 
 
-def parse_prompts(data: bytes, uri: str, field: str = "data.prompts_path", prompt_template: str | None = None) -> list[dict]:
-    ext = _check_ext(uri, field, (".txt", ".csv", ".jsonl"), "prompts")
-    text = _decode(data, uri, field)
-    if ext == ".jsonl":
-        return [_prompt_record(obj, f"{field} {uri!r} line {n}") for n, obj in _jsonl(text, uri, field)]
-    if ext == ".txt":
-        out = []
-        for n, line in _lines(text):
-            prompt = strip_answer(line, prompt_template)
-            if not prompt:
-                raise DataError(f"{field} {uri!r} line {n}: no prompt left once the answer part is dropped ({line!r}); write the prompt before the response marker")
-            out.append({"prompt": prompt})
-        return out
-    reader = csv.DictReader(io.StringIO(text, newline=""))
-    columns = [c.strip() for c in reader.fieldnames or []]
-    if "prompt" not in columns:
-        raise DataError(f"{field} {uri!r}: no 'prompt' column; the columns found are {columns}; name the prompt column 'prompt' in the header row")
-    reader.fieldnames = columns
-    out = []
-    for row in reader:
-        prompt = (row.get("prompt") or "").strip()
-        if not prompt:
-            raise DataError(f"{field} {uri!r} line {reader.line_num}: the 'prompt' cell is empty; fill it or remove the row")
-        out.append({"prompt": prompt})
-    return out
+# -- column mapping and the loop ---------------------------------------------------------------
+def source_columns(columns: Mapping[str, str], kind: str) -> tuple[dict[str, str], dict[str, str]]:
+    """(required, optional) renames for one source: ``"<kind>.<name>"`` keys must be present in every
+    record; plain ``"<name>"`` keys apply where the record has that field."""
+    required = {k.split(".", 1)[1]: v for k, v in columns.items() if k.startswith(f"{kind}.")}
+    optional = {k: v for k, v in columns.items() if "." not in k and k not in required}
+    return required, optional
 
 
-# -- preference pairs --------------------------------------------------------------------------
-def _completion(v: Any, key: str, prompt_msgs: list[dict], where: str) -> list[dict]:
-    msgs = _messages(v, key, where)
-    if msgs[: len(prompt_msgs)] == prompt_msgs:  # HH style: the full conversation, prompt included
-        msgs = msgs[len(prompt_msgs):]
-    if not msgs or msgs[-1]["role"] != "assistant":
-        raise DataError(f"{where}: {key!r} must end with an assistant turn after the prompt turns")
-    return msgs
+def _rename(obj: dict, required: Mapping[str, str], optional: Mapping[str, str], where: str, kind: str, used: set) -> dict:
+    if not (required or optional) or not isinstance(obj, dict):
+        return obj
+    obj = dict(obj)
+    for name, col in required.items():
+        if col not in obj:
+            raise DataError(f"{where}: data.columns maps {kind}.{name} to {col!r}, but the record has no {col!r}; "
+                            f"found keys {sorted(obj)}; fix data.columns[{kind + '.' + name!r}]")
+        obj[name] = obj.pop(col)
+    for name, col in optional.items():
+        if col in obj:
+            obj[name] = obj.pop(col)
+            used.add(name)
+    return obj
 
 
-def _common_prefix(a: list[dict], b: list[dict]) -> list[dict]:
-    n = 0
-    while n < min(len(a), len(b)) - 1 and a[n] == b[n]:
-        n += 1
-    return a[:n]
+_NORMALISERS = {"sft": lm_record, "ptx": lm_record, "preference": pair_record, "prompts": prompt_record}
 
 
-def _pair_record(obj: dict, where: str) -> dict:
-    for key in ("chosen", "rejected"):
-        if key not in obj:
-            raise DataError(f"{where}: missing key {key!r}; each line needs prompt, chosen, rejected")
-    as_messages = isinstance(obj["chosen"], list) or isinstance(obj["rejected"], list)
-    if not as_messages:
-        if "prompt" not in obj:
-            raise DataError(f"{where}: missing key 'prompt'; each line needs prompt, chosen, rejected")
-        return {k: _str(obj, k, where) for k in ("prompt", "chosen", "rejected")}
-    if "prompt" in obj:
-        p = obj["prompt"]
-        prompt_msgs = [{"role": "user", "content": _str(obj, "prompt", where)}] if isinstance(p, str) else _messages(p, "prompt", where)
-    else:  # the prompt is the conversation the two share
-        prompt_msgs = _common_prefix(_messages(obj["chosen"], "chosen", where), _messages(obj["rejected"], "rejected", where))
-        if not prompt_msgs:
-            raise DataError(f"{where}: no 'prompt' and chosen/rejected share no leading turns; add a 'prompt' key")
-    return {
-        "prompt_messages": prompt_msgs,
-        "chosen_messages": _completion(obj["chosen"], "chosen", prompt_msgs, where),
-        "rejected_messages": _completion(obj["rejected"], "rejected", prompt_msgs, where),
-    }
+def normalize(kind: str, records: Iterable[tuple[str, Any]], *, columns: Mapping[str, str] | None = None,
+              prompt_template: str | None = None, dropped: dict | None = None, used: set | None = None) -> Iterator[dict]:
+    """The data-prep records of one source; degenerate ones are counted in ``dropped[reason]``."""
+    required, optional = source_columns(columns or {}, kind)
+    used = set() if used is None else used
+    fn = _NORMALISERS[kind]
+    extra = {"prompt_template": prompt_template} if kind == "prompts" else {}
+    for where, obj in records:
+        try:
+            yield fn(_rename(obj, required, optional, where, kind, used), where, **extra)
+        except Drop as d:
+            if dropped is not None:
+                dropped[d.reason] = dropped.get(d.reason, 0) + 1
 
 
-def parse_preferences(data: bytes, uri: str, field: str = "data.preference_path") -> list[dict]:
-    _check_ext(uri, field, (".jsonl",), "preference pairs")
-    text = _decode(data, uri, field)
-    return [_pair_record(obj, f"{field} {uri!r} line {n}") for n, obj in _jsonl(text, uri, field)]
-
-
-# -- from a URI --------------------------------------------------------------------------------
-# The extension is checked before the read, so a wrong name fails without a download.
-def read_sft(uri: str, storage_options: Mapping[str, Any] | None = None, field: str = "data.sft_path") -> list[dict]:
-    _check_ext(uri, field, (".txt", ".jsonl"), "SFT data")
-    return parse_sft(read_bytes(uri, storage_options, field), uri, field)
-
-
-def read_ptx(uri: str, storage_options: Mapping[str, Any] | None = None, field: str = "data.ptx_path") -> list[dict]:
-    _check_ext(uri, field, (".txt", ".jsonl"), "ptx data")
-    return parse_ptx(read_bytes(uri, storage_options, field), uri, field)
-
-
-def read_prompts(uri: str, storage_options: Mapping[str, Any] | None = None, field: str = "data.prompts_path",
-                 prompt_template: str | None = None) -> list[dict]:
-    _check_ext(uri, field, (".txt", ".csv", ".jsonl"), "prompts")
-    return parse_prompts(read_bytes(uri, storage_options, field), uri, field, prompt_template)
-
-
-def read_preferences(uri: str, storage_options: Mapping[str, Any] | None = None, field: str = "data.preference_path") -> list[dict]:
-    _check_ext(uri, field, (".jsonl",), "preference pairs")
-    return parse_preferences(read_bytes(uri, storage_options, field), uri, field)
+def read_records(kind: str, uri: str, storage_options: Mapping[str, Any] | None = None, field: str | None = None,
+                 *, columns: Mapping[str, str] | None = None, prompt_template: str | None = None) -> list[dict]:
+    """All records of one source as a list (small data and tests; data prep streams)."""
+    source = open_source(uri, storage_options, field or f"data.{kind}_path")
+    return list(normalize(kind, source.records(), columns=columns, prompt_template=prompt_template))

@@ -1,29 +1,36 @@
 """Data prep: sources (any fsspec URI, or the built-in task) -> a tokenized ``dataset`` artifact.
 
-``prepare_data`` reads each source once, hashes its bytes into the artifact key (so new data is
-a new key and unchanged data is found again), parses it with ``tasks.data.formats`` and only then
-loads the tokenizer. The built-in task is written to files and read back through the same
-parsers, so there is one code path. The artifact's files are described in docs/ARTIFACTS.md.
+A source is streamed, never held whole: ``tasks.data.sources`` reads its container(s) and hashes
+the bytes as they pass, ``tasks.data.formats`` turns each raw record into one of ours (or drops
+and counts a degenerate one), and the samples go to disk as they are tokenized. ``scan_sources``
+is the pass that validates and hashes (pre-flight and the key); it is memoised per process by
+each file's size/mtime/ETag, so a run's driver reads every source once. ``prepare_data`` reads
+them once more to build the artifact, and checks that the bytes it built from are the ones it
+was keyed on. The built-in task is written to files and read back through the same code. The
+artifact's files are described in docs/ARTIFACTS.md.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
+import logging
 import random
 import tempfile
-from dataclasses import dataclass
-from functools import cached_property
+from array import array
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterable, Iterator
 
 from storage.keys import code_version, stage_key
 from storage.store import ArtifactRef, ArtifactStore
 from tasks.common.builtin import write_task_files
 from tasks.common.model import ModelConfig, load_tokenizer
 from tasks.data.config import DataConfig
-from tasks.data.dataset import write_jsonl
 from tasks.data.encode import Encoder, truncate_left
-from tasks.data.formats import DataError, parse_preferences, parse_prompts, parse_ptx, parse_sft, read_bytes
+from tasks.data.formats import normalize, source_columns
+from tasks.data.sources import DataError, Source, open_source
+
+log = logging.getLogger("rlhf.data")
 
 # name -> the DataConfig field holding its URI; names match write_task_files' files.
 SOURCES = {"sft": "sft_path", "preference": "preference_path", "prompts": "prompts_path", "ptx": "ptx_path"}
@@ -31,64 +38,94 @@ SPLIT = ("sft", "preference", "prompts")  # ptx has no eval split
 
 
 @dataclass
-class Source:
-    name: str
-    field: str
-    uri: str  # what the parser reads (a temp file for the built-in task)
-    shown: str  # what meta.json records
-    data: bytes
+class Scan:
+    """What one validating pass over a source found."""
 
-    @cached_property
-    def sha256(self) -> str:
-        return hashlib.sha256(self.data).hexdigest()
+    sha256: str
+    records: int  # raw records read
+    kept: int
+    dropped: dict[str, int] = field(default_factory=dict)
+    columns_used: frozenset = frozenset()  # the plain data.columns renames that matched a field
 
 
-def _load_sources(cfg: DataConfig, tmp: str) -> dict[str, Source]:
+_SCANS: dict[tuple, Scan] = {}  # memo: (source, file identities, parse settings) -> Scan
+
+
+def _open_sources(cfg: DataConfig, tmp: str) -> dict[str, Source]:
     builtin = None
     out = {}
     for name, attr in SOURCES.items():
-        field, uri = f"data.{attr}", getattr(cfg, attr)
+        field_name, uri = f"data.{attr}", getattr(cfg, attr)
         if uri is None:
             builtin = builtin or write_task_files(Path(tmp) / "builtin", cfg.builtin_seed)
-            out[name] = Source(name, field, str(builtin[name]), f"builtin:task/{name}.jsonl?seed={cfg.builtin_seed}",
-                               builtin[name].read_bytes())
+            out[name] = open_source(str(builtin[name]), None, field_name)
+            out[name].uri = f"builtin:task/{name}.jsonl?seed={cfg.builtin_seed}"
         else:
-            out[name] = Source(name, field, uri, uri, read_bytes(uri, cfg.storage_options, field))
+            out[name] = open_source(uri, cfg.storage_options, field_name)
     return out
 
 
-def _parse(cfg: DataConfig, sources: dict[str, Source]) -> dict[str, list[dict]]:
-    s = sources
-    records = {
-        "sft": parse_sft(s["sft"].data, s["sft"].uri, s["sft"].field),
-        "preference": parse_preferences(s["preference"].data, s["preference"].uri, s["preference"].field),
-        "prompts": parse_prompts(s["prompts"].data, s["prompts"].uri, s["prompts"].field, cfg.prompt_template),
-        "ptx": parse_ptx(s["ptx"].data, s["ptx"].uri, s["ptx"].field),
-    }
-    for name in SPLIT:
-        if len(records[name]) < 2:
-            raise DataError(f"{s[name].field} {s[name].shown!r} has {len(records[name])} record; "
-                            "at least 2 are needed to split train/eval: add records")
-    return records
+def _records(cfg: DataConfig, name: str, src: Source, dropped: dict, used: set, counter: list) -> Iterator[dict]:
+    def counted():
+        for item in src.records():
+            counter[0] += 1
+            yield item
+
+    return normalize(name, counted(), columns=cfg.columns, prompt_template=cfg.prompt_template, dropped=dropped, used=used)
+
+
+def _check_kept(src: Source, records: int, kept: int, dropped: dict) -> None:
+    if records and not kept:
+        raise DataError(f"{src.field} {src.uri!r}: all {records} records are degenerate (dropped: {dropped}); "
+                        "check that the fields hold text (data.columns maps other field names)")
+    if kept < 2:
+        raise DataError(f"{src.field} {src.uri!r} has {kept} usable record(s) (dropped: {dropped}); "
+                        "at least 2 are needed to split train/eval: add records")
+
+
+def _check_columns(cfg: DataConfig, used: set) -> None:
+    unused = {k: v for k, v in cfg.columns.items() if "." not in k and k not in used
+              and not any(k in source_columns(cfg.columns, n)[0] for n in SOURCES)}
+    if unused:
+        k, v = next(iter(unused.items()))
+        raise DataError(f"data.columns[{k!r}] = {v!r}: no record of any source has a field {v!r}; "
+                        "check the name (data.columns maps your field names to ours)")
+
+
+def scan_sources(cfg: DataConfig, sources: dict[str, Source]) -> dict[str, Scan]:
+    """Validate and hash every source in one streaming pass each (memoised per process)."""
+    out = {}
+    for name, src in sources.items():
+        memo = (name, src.identity, json.dumps(cfg.columns, sort_keys=True), cfg.prompt_template)
+        if memo not in _SCANS:
+            dropped, used, counter = {}, set(), [0]
+            kept = sum(1 for _ in _records(cfg, name, src, dropped, used, counter))
+            if name in SPLIT:
+                _check_kept(src, counter[0], kept, dropped)
+            _SCANS[memo] = Scan(src.sha256, counter[0], kept, dropped, frozenset(used))
+        out[name] = _SCANS[memo]
+    _check_columns(cfg, set().union(*(s.columns_used for s in out.values())))
+    return out
 
 
 def check_data(cfg: DataConfig) -> dict[str, int]:
-    """Pre-flight: every source is reachable and parses. Returns the record count per source."""
+    """Pre-flight: every source is reachable and parses. Returns the usable record count per source."""
     with tempfile.TemporaryDirectory(prefix="rlhf-data-") as tmp:
-        return {name: len(recs) for name, recs in _parse(cfg, _load_sources(cfg, tmp)).items()}
+        return {name: s.kept for name, s in scan_sources(cfg, _open_sources(cfg, tmp)).items()}
 
 
-def _key_config(cfg: DataConfig, model: ModelConfig, seed: int, sources: dict[str, Source]) -> dict:
+def _key_config(cfg: DataConfig, model: ModelConfig, seed: int, hashes: dict[str, str]) -> dict:
     # Sources enter by content hash, not URI: the same bytes elsewhere give the same key.
     # storage_options (endpoints) never change what is read.
     data = cfg.model_dump(mode="json", exclude={"storage_options", "builtin_seed", *SOURCES.values()})
-    return {"data": data, "sources": {n: s.sha256 for n, s in sources.items()}, "model": model.identity(), "seed": seed}
+    return {"data": data, "sources": hashes, "model": model.identity(), "seed": seed}
 
 
 def data_key(cfg: DataConfig, model: ModelConfig, seed: int) -> str:
     """``data/<fingerprint>`` of the dataset these sources, this config and tokenizer make."""
     with tempfile.TemporaryDirectory(prefix="rlhf-data-") as tmp:
-        return _data_key(_key_config(cfg, model, seed, _load_sources(cfg, tmp)))
+        scans = scan_sources(cfg, _open_sources(cfg, tmp))
+        return _data_key(_key_config(cfg, model, seed, {n: s.sha256 for n, s in scans.items()}))
 
 
 def _data_key(key_config: dict) -> str:
@@ -105,36 +142,57 @@ def split_indices(n: int, eval_fraction: float, seed: int) -> tuple[list[int], l
     return sorted(idx[n_eval:]), sorted(idx[:n_eval])
 
 
-def group_lines(lines: list[list[int]], max_length: int, short_text: bool = False) -> tuple[list[list[int]], int]:
-    """Plain-text samples from tokenized lines (each already ending with EOS): (samples, lines split).
+class LineGrouper:
+    """Plain-text samples from tokenized lines (each already ending with EOS), fed one at a time.
 
-    A line longer than ``max_length`` is cut into chunks. Unless ``short_text``, adjacent pieces
-    are concatenated while they fit; the piece that would overflow a group starts the next one
-    (the seed dropped it).
+    A line longer than ``max_length`` is cut into chunks (counted in ``stats["lines_split"]``).
+    Unless ``short_text``, adjacent pieces are concatenated while they fit; the piece that would
+    overflow a group starts the next one (the seed dropped it).
     """
-    pieces, n_split = [], 0
-    for ids in lines:
-        n_split += len(ids) > max_length
-        pieces += [ids[i:i + max_length] for i in range(0, len(ids), max_length)]
-    if short_text:
-        return pieces, n_split
-    groups, cur = [], []
-    for p in pieces:
-        if cur and len(cur) + len(p) > max_length:
-            groups.append(cur)
-            cur = []
-        cur = cur + p
-    if cur:
-        groups.append(cur)
-    return groups, n_split
+
+    def __init__(self, max_length: int, short_text: bool, stats: dict):
+        self.L, self.short, self.stats, self.cur = max_length, short_text, stats, []
+
+    def add(self, ids: list[int]) -> list[list[int]]:
+        """The groups this line completes."""
+        done = []
+        if len(ids) > self.L:
+            self.stats["lines_split"] = self.stats.get("lines_split", 0) + 1
+        for piece in (ids[i:i + self.L] for i in range(0, len(ids), self.L)):
+            if self.short:
+                done.append(piece)
+                continue
+            if self.cur and len(self.cur) + len(piece) > self.L:
+                done.append(self.cur)
+                self.cur = []
+            self.cur = self.cur + piece
+        return done
+
+    def flush(self) -> list[list[int]]:
+        done, self.cur = ([self.cur] if self.cur else []), []
+        return done
 
 
-# -- building the files ------------------------------------------------------------------------
-def _lm_samples(enc: Encoder, records: list[dict], stats: dict, name: str) -> list[dict]:
-    samples, lines, L = [], [], enc.cfg.max_length
+def group_lines(lines: list[list[int]], max_length: int, short_text: bool = False) -> tuple[list[list[int]], int]:
+    """``LineGrouper`` over a list: (samples, lines split)."""
+    stats: dict = {}
+    g = LineGrouper(max_length, short_text, stats)
+    groups = [x for ids in lines for x in g.add(ids)] + g.flush()
+    return groups, stats.get("lines_split", 0)
+
+
+def _drop(stats: dict, reason: str) -> None:
+    stats["dropped"][reason] = stats["dropped"].get(reason, 0) + 1
+
+
+# -- building the files: a generator of samples per source kind -----------------------------------
+def _lm_samples(enc: Encoder, records: Iterable[dict], stats: dict) -> Iterator[dict]:
+    L = enc.cfg.max_length
+    grouper = LineGrouper(L, enc.cfg.short_text, stats)
     for r in records:
         if "text" in r:
-            lines.append(enc.enc(r["text"]) + [enc.eos])
+            for g in grouper.add(enc.enc(r["text"]) + [enc.eos]):
+                yield {"input_ids": g, "labels": list(g)}
             continue
         if "messages" in r:
             ids, labels = enc.messages(r["messages"])
@@ -142,99 +200,158 @@ def _lm_samples(enc: Encoder, records: list[dict], stats: dict, name: str) -> li
             ids, labels = ids[:L], labels[:L]
         else:
             ids, labels, truncated = enc.prompt_response(r["prompt"], r["response"])
-        stats["truncated"][name] += truncated
+        stats["truncated"] += truncated
         if all(x == -100 for x in labels):  # truncation left no response token: nothing to learn
-            stats["dropped"][f"{name}_no_labels"] += 1
+            _drop(stats, "no_labels_after_truncation")
             continue
-        samples.append({"input_ids": ids, "labels": labels})
-    groups, stats["lines_split"][name] = group_lines(lines, L, enc.cfg.short_text)
-    return samples + [{"input_ids": g, "labels": list(g)} for g in groups]
+        yield {"input_ids": ids, "labels": labels}
+    for g in grouper.flush():
+        yield {"input_ids": g, "labels": list(g)}
 
 
-def _pair_samples(enc: Encoder, records: list[dict], stats: dict) -> list[dict]:
-    samples, L = [], enc.cfg.max_length
+def _pair_samples(enc: Encoder, records: Iterable[dict], stats: dict) -> Iterator[dict]:
+    L = enc.cfg.max_length
     for rec in records:
         p, c, r = enc.pair(rec)
         room = L - max(len(c), len(r))
         if room < 1:  # the response alone does not fit: no prompt left to score it against
-            stats["dropped"]["preference_response_too_long"] += 1
+            _drop(stats, "response_too_long")
             continue
         if len(p) > room:
             p = truncate_left(p, room, enc.prefix)
-            stats["truncated"]["preference"] += 1
-        samples.append({"chosen_ids": p + c, "rejected_ids": p + r, "prompt_len": len(p)})
-    return samples
+            stats["truncated"] += 1
+        yield {"chosen_ids": p + c, "rejected_ids": p + r, "prompt_len": len(p)}
 
 
-def _prompt_samples(enc: Encoder, records: list[dict], stats: dict) -> list[dict]:
-    samples, n = [], enc.cfg.max_prompt_length
+def _prompt_samples(enc: Encoder, records: Iterable[dict], stats: dict) -> Iterator[dict]:
+    n = enc.cfg.max_prompt_length
     for rec in records:
         text = enc.render_prompt(rec)
+        if not text.strip():
+            _drop(stats, "empty_prompt_after_template")
+            continue
         ids = (enc.prefix if "prompt" in rec else []) + enc.enc(text)
         if len(ids) > n:  # keep the end: the generation prompt must stay where the response starts
             ids = truncate_left(ids, n, enc.prefix)
             body = ids[len(enc.prefix):] if enc.prefix and ids[: len(enc.prefix)] == enc.prefix else ids
             text = enc.tok.decode(body)
-            stats["truncated"]["prompts"] += 1
-        samples.append({"prompt_ids": ids, "prompt": text})
-    return samples
+            stats["truncated"] += 1
+        yield {"prompt_ids": ids, "prompt": text}
 
 
-def _check_chat(tok, model: ModelConfig, records: dict[str, list[dict]], sources: dict[str, Source]) -> None:
-    if tok.chat_template:
-        return
-    for name, recs in records.items():
-        if any("messages" in r or "prompt_messages" in r for r in recs):
-            s = sources[name]
-            raise DataError(f"{s.field} {s.shown!r} has chat `messages` records, but the tokenizer of model.pretrain "
+_SAMPLES = {"sft": _lm_samples, "ptx": _lm_samples, "preference": _pair_samples, "prompts": _prompt_samples}
+_PREFIX = {"sft": "sft", "preference": "pref", "prompts": "prompts", "ptx": "ptx"}  # file names
+
+
+def _needs_chat(tok, model: ModelConfig, src: Source, records: Iterable[dict]) -> Iterator[dict]:
+    for r in records:
+        if not tok.chat_template and ("messages" in r or "prompt_messages" in r):
+            raise DataError(f"{src.field} {src.uri!r} has chat `messages` records, but the tokenizer of model.pretrain "
                             f"{model.pretrain!r} has no chat template; use prompt/response records or set "
                             "model.tokenizer to a tokenizer with a chat template")
+        yield r
 
 
-def _write_files(out: Path, enc: Encoder, records: dict[str, list[dict]], seed: int, sources: dict[str, Source]) -> dict:
-    stats = {"truncated": dict.fromkeys(SOURCES, 0), "dropped": {"sft_no_labels": 0, "ptx_no_labels": 0,
-             "preference_response_too_long": 0}, "lines_split": {}}
-    samples = {
-        "sft": _lm_samples(enc, records["sft"], stats, "sft"),
-        "pref": _pair_samples(enc, records["preference"], stats),
-        "prompts": _prompt_samples(enc, records["prompts"], stats),
-    }
-    ptx = _lm_samples(enc, records["ptx"], stats, "ptx")
-    counts = {}
-    for prefix, source in (("sft", "sft"), ("pref", "preference"), ("prompts", "prompts")):
-        s, got = sources[source], samples[prefix]
-        if len(got) < 2:
-            raise DataError(f"{s.field} {s.shown!r}: {len(records[source])} records gave {len(got)} samples "
-                            f"(max_length {enc.cfg.max_length}, dropped {stats['dropped']}); at least 2 are needed "
-                            "to split train/eval: raise data.max_length, add data, or set data.short_text=true for plain text")
-        train, held = split_indices(len(got), enc.cfg.eval_fraction, seed)
-        counts[f"{prefix}_train.jsonl"] = write_jsonl(out / f"{prefix}_train.jsonl", (got[i] for i in train))
-        counts[f"{prefix}_eval.jsonl"] = write_jsonl(out / f"{prefix}_eval.jsonl", (got[i] for i in held))
-    counts["ptx_train.jsonl"] = write_jsonl(out / "ptx_train.jsonl", ptx)
-    return {"counts": counts, **stats}
+def _lengths(sample: dict) -> int:
+    return len(sample.get("input_ids") or sample.get("prompt_ids") or max(sample["chosen_ids"], sample["rejected_ids"], key=len))
 
 
-def prepare_data(cfg: DataConfig, model: ModelConfig, store: ArtifactStore, seed: int, *, force: bool = False) -> ArtifactRef:
-    """Tokenize the sources into the ``dataset`` artifact at ``data_key``; reuse it when it exists."""
+def _percentiles(lengths: array) -> dict[str, int]:
+    v = sorted(lengths)
+    return {"p50": v[len(v) // 2], "p95": v[min(len(v) - 1, int(len(v) * 0.95))], "max": v[-1]} if v else {}
+
+
+def _write_source(out: Path, name: str, samples: Iterator[dict], seed: int, eval_fraction: float, stats: dict) -> dict[str, int]:
+    """Stream the samples to disk, then deal them to train/eval by a seeded shuffle of their indices."""
+    prefix, lengths, n = _PREFIX[name], array("I"), 0
+    every = out / f".{prefix}_all.jsonl"
+    with open(every, "w", encoding="utf-8") as f:
+        for sample in samples:
+            f.write(json.dumps(sample) + "\n")
+            lengths.append(_lengths(sample))
+            n += 1
+    stats["samples"], stats["tokens"] = n, _percentiles(lengths)
+    if name not in SPLIT:
+        every.rename(out / f"{prefix}_train.jsonl")
+        return {f"{prefix}_train.jsonl": n}
+    if n < 2:
+        return {}
+    _, held = split_indices(n, eval_fraction, seed)
+    held, counts = set(held), {f"{prefix}_train.jsonl": n - len(held), f"{prefix}_eval.jsonl": len(held)}
+    with open(every, encoding="utf-8") as f, open(out / f"{prefix}_train.jsonl", "w", encoding="utf-8") as tr, \
+            open(out / f"{prefix}_eval.jsonl", "w", encoding="utf-8") as ev:
+        for i, line in enumerate(f):
+            (ev if i in held else tr).write(line)
+    every.unlink()
+    return counts
+
+
+def _build(out: Path, enc: Encoder, cfg: DataConfig, model: ModelConfig, sources: dict[str, Source], seed: int) -> tuple[dict, dict]:
+    """Every source through parse -> tokenize -> files in one streaming pass: (per-file counts, per-source stats)."""
+    counts, per_source = {}, {}
+    for name, src in sources.items():
+        st = {"records": 0, "kept": 0, "dropped": {}, "truncated": 0}
+        counter, used = [0], set()
+        records = _records(cfg, name, src, st["dropped"], used, counter)
+
+        def kept(recs):
+            for r in recs:
+                st["kept"] += 1
+                yield r
+
+        samples = _SAMPLES[name](enc, kept(_needs_chat(enc.tok, model, src, records)), st)
+        counts.update(_write_source(out, name, samples, seed, cfg.eval_fraction, st))
+        st["records"] = counter[0]
+        if name in SPLIT:
+            _check_kept(src, st["records"], st["kept"], st["dropped"])
+            if st["samples"] < 2:
+                raise DataError(f"{src.field} {src.uri!r}: {st['kept']} records gave {st['samples']} samples "
+                                f"(max_length {cfg.max_length}, dropped {st['dropped']}); at least 2 are needed "
+                                "to split train/eval: raise data.max_length, add data, or set data.short_text=true for plain text")
+        per_source[name] = {"uri": src.uri, "sha256": src.sha256, "read_as": src.note or "file", "shards": len(src.shards),
+                            "bytes": sum(sh.size for sh in src.shards), **st}
+    return counts, per_source
+
+
+def _report(per_source: dict) -> None:
+    for name, s in per_source.items():
+        log.info("data %-10s %7d records  %7d samples  dropped %s  truncated %d  tokens p50/p95/max %s  (%s)",
+                 name, s["records"], s["samples"], s["dropped"] or 0, s["truncated"],
+                 "/".join(str(s["tokens"].get(k, "-")) for k in ("p50", "p95", "max")), s["uri"])
+
+
+def prepare_data(cfg: DataConfig, model: ModelConfig, store: ArtifactStore, seed: int, *, force: bool = False,
+                 key: str | None = None) -> ArtifactRef:
+    """Tokenize the sources into the ``dataset`` artifact at ``data_key``; reuse it when it exists.
+
+    ``key``: the ``data_key`` the caller computed (the flow, in its pre-flight pass): then the
+    sources are read once here, to build, and the key is checked against what was read.
+    """
     with tempfile.TemporaryDirectory(prefix="rlhf-data-") as tmp:
-        sources = _load_sources(cfg, tmp)
-        key_config = _key_config(cfg, model, seed, sources)
-        key = _data_key(key_config)
+        sources = _open_sources(cfg, tmp)
+        if key is None:  # every data error is raised here, before the tokenizer loads
+            scans = scan_sources(cfg, sources)
+            key = _data_key(_key_config(cfg, model, seed, {n: s.sha256 for n, s in scans.items()}))
         if not force and store.is_good(key):  # a damaged artifact is rebuilt
             return store.ref(key)
-        records = _parse(cfg, sources)  # every data error is raised here, before the tokenizer loads
         tok = load_tokenizer(model)
-        _check_chat(tok, model, records, sources)
         out = Path(tmp) / "artifact"
         out.mkdir()
-        stats = _write_files(out, Encoder(tok, cfg), records, seed, sources)
+        counts, per_source = _build(out, Encoder(tok, cfg), cfg, model, sources, seed)
+        key_config = _key_config(cfg, model, seed, {n: s["sha256"] for n, s in per_source.items()})
+        if _data_key(key_config) != key:
+            raise DataError(f"the data sources changed while this run read them (their sha256 differs from the one "
+                            f"the run was keyed on, {key}); let the writer finish, then run again")
+        _report(per_source)
         tok.save_pretrained(out / "tokenizer")
         meta = {
-            **stats,
+            "counts": counts,
+            "sources": per_source,
+            "truncated": {n: s["truncated"] for n, s in per_source.items()},
+            "dropped": {n: s["dropped"] for n, s in per_source.items()},
             "max_length": cfg.max_length,
             "max_prompt_length": cfg.max_prompt_length,
             "templates": {"prompt": cfg.prompt_template, "response": cfg.response_template, "chat": tok.chat_template},
-            "sources": {n: {"uri": s.shown, "sha256": s.sha256, "records": len(records[n])} for n, s in sources.items()},
             "seed": seed,
             "eval_fraction": cfg.eval_fraction,
             "short_text": cfg.short_text,
@@ -242,7 +359,7 @@ def prepare_data(cfg: DataConfig, model: ModelConfig, store: ArtifactStore, seed
             "pad_token_id": tok.pad_token_id,
         }
         (out / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True))
-        metrics = {f"data/{f.removesuffix('.jsonl')}": n for f, n in stats["counts"].items()}
-        metrics["data/truncated"] = sum(stats["truncated"].values())
-        metrics["data/dropped"] = sum(stats["dropped"].values())
+        metrics = {f"data/{f.removesuffix('.jsonl')}": n for f, n in counts.items()}
+        metrics["data/truncated"] = sum(meta["truncated"].values())
+        metrics["data/dropped"] = sum(sum(d.values()) for d in meta["dropped"].values())
         return store.publish(key, out, kind="dataset", config=key_config, metrics=metrics)
