@@ -222,7 +222,7 @@ def test_each_source_is_read_once_per_process_and_a_change_is_seen():
     k1 = data_key(cfg, MODEL, 0)
     assert check_data(cfg)["sft"] == 4 and data_key(cfg, MODEL, 0) == k1
     user_scans = [m for m in prepare._SCANS if m[1][0] == uri]
-    assert len(user_scans) == 1 and len(prepare._SCANS) - before <= 1 + 3 * 3  # the built-in sources are temp files
+    assert len(user_scans) == 1 and len(prepare._SCANS) - before <= 4  # one scan per source, whatever the calls
     put(uri, jsonl(ALPACA * 3))  # new bytes, new size: a new scan and a new key
     assert data_key(cfg, MODEL, 0) != k1
 
@@ -258,3 +258,38 @@ def test_malformed_sources_fail_in_preflight_with_field_uri_and_record(tmp_path)
         text = str(e.value)
         assert f"data.{field[kind]}" in text and uri.rstrip("/").split("/")[-1] in text, text
         assert __import__("re").search(message, text), (message, text)
+
+
+# -- end to end: public shapes through SFT, RM and PPO -------------------------------------------
+@pytest.mark.slow
+def test_public_shapes_through_sft_rm_and_ppo(rlhf_cache, ray_cluster, tmp_path):
+    """HH transcripts (.jsonl.gz) as preference pairs and as PPO prompts, Alpaca (.json) for SFT,
+    ShareGPT (.parquet) for ptx: each stage trains on them and publishes its artifact."""
+    from tasks.ppo.config import PPOConfig
+    from tasks.ppo.train import train_ppo
+    from tasks.rm.config import RewardConfig
+    from tasks.rm.train import train_reward_model
+    from tasks.sft.config import SFTConfig
+    from tasks.sft.train import train_sft
+
+    hh = [{"chosen": f"\n\nHuman: Describe the {a}.\n\nAssistant: The {a} is kind.",
+           "rejected": f"\n\nHuman: Describe the {a}.\n\nAssistant: The {a} is rude."}
+          for a in ("cat", "dog", "bird", "fish", "horse", "river", "lamp", "garden")]
+    cfg = DataConfig(
+        preference_path=put(uri_of("hh.jsonl.gz"), jsonl(hh), "gzip"),
+        prompts_path=put(uri_of("hh.jsonl.gz"), jsonl(hh), "gzip"),
+        sft_path=put(uri_of("alpaca.json"), json.dumps(ALPACA * 8).encode()),
+        ptx_path=put(uri_of("sharegpt.parquet"), parquet(SHAREGPT * 4)),
+    )
+    store = ArtifactStore(f"file://{tmp_path / 'store'}")
+    data = prepare_data(cfg, MODEL, store, seed=0)
+    sft = train_sft(SFTConfig(max_steps=3, eval_every=3, batch_size=4), MODEL, store, data, 0)
+    rm = train_reward_model(RewardConfig(max_steps=3, eval_every=3, batch_size=4), MODEL, store, data, 0)
+    ppo = train_ppo(PPOConfig(num_iterations=1, rollout_batch_size=8, train_batch_size=4, ppo_epochs=1, max_new_tokens=6,
+                              eval_every=100, eval_prompts=2, ptx_coef=0.5, ptx_batch_size=2), MODEL, store, data, sft, rm, 0)
+    for ref in (sft, rm, ppo):
+        assert store.is_good(ref.key)
+    hist = [json.loads(x) for x in (store.fetch(ppo.key) / "metrics.jsonl").read_text().splitlines()]
+    assert any("ppo/reward_mean" in h for h in hist) and any("ppo/ptx_loss" in h for h in hist)
+    prompts = read_jsonl(store.fetch(data.key) / "prompts_train.jsonl")
+    assert all(p["prompt"].startswith("\n\nHuman: Describe the ") and p["prompt"].endswith("Assistant:") for p in prompts)

@@ -96,7 +96,8 @@ def scan_sources(cfg: DataConfig, sources: dict[str, Source]) -> dict[str, Scan]
     """Validate and hash every source in one streaming pass each (memoised per process)."""
     out = {}
     for name, src in sources.items():
-        memo = (name, src.identity, json.dumps(cfg.columns, sort_keys=True), cfg.prompt_template)
+        ident = src.uri if src.uri.startswith("builtin:") else src.identity  # built-in files are fresh temp files
+        memo = (name, ident, json.dumps(cfg.columns, sort_keys=True), cfg.prompt_template)
         if memo not in _SCANS:
             dropped, used, counter = {}, set(), [0]
             kept = sum(1 for _ in _records(cfg, name, src, dropped, used, counter))
