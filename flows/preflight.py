@@ -101,8 +101,8 @@ def preflight(cfg: PipelineConfig) -> None:
     from tasks.ppo.train import check_ppo
 
     for fn in (lambda: check_store(cfg), lambda: check_ray_address(cfg.ray.address), lambda: check_local_gpus(cfg),
-               lambda: check_ppo(cfg.ppo), lambda: check_data(cfg.data), lambda: check_model_exists(cfg.model),
-               lambda: check_tokenizer(cfg), lambda: check_lora_targets(cfg)):
+               lambda: check_ppo(cfg.ppo), lambda: check_model_exists(cfg.model), lambda: check_tokenizer(cfg),
+               lambda: check_data(cfg.data, cfg.model), lambda: check_lora_targets(cfg)):
         try:
             fn()
         except ConfigError:

@@ -280,8 +280,10 @@ def test_messages_need_a_chat_template(rlhf_cache, tmp_path):
     msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
     cfg = DataConfig(sft_path=mem("chat.jsonl", jsonl({"messages": msgs}, {"messages": msgs})))
     model = ModelConfig(tokenizer=str(tmp_path / "plain-tok"))
-    with pytest.raises(DataError, match=r"data.sft_path .* has chat `messages` records, but the tokenizer .* has no chat template"):
-        prepare_data(cfg, model, ArtifactStore(f"memory://store-{uuid.uuid4().hex[:8]}"), seed=0)
+    for check in (lambda: check_data(cfg, model),  # pre-flight
+                  lambda: prepare_data(cfg, model, ArtifactStore(f"memory://store-{uuid.uuid4().hex[:8]}"), seed=0)):
+        with pytest.raises(DataError, match=r"data.sft_path .* has chat `messages` records, but the tokenizer .* has no chat template"):
+            check()
 
 
 def test_chat_data_end_to_end(rlhf_cache):

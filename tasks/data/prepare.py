@@ -46,6 +46,7 @@ class Scan:
     kept: int
     dropped: dict[str, int] = field(default_factory=dict)
     columns_used: frozenset = frozenset()  # the plain data.columns renames that matched a field
+    chat: bool = False  # some record is chat messages (needs the tokenizer's chat template)
 
 
 _SCANS: dict[tuple, Scan] = {}  # memo: (source, file identities, parse settings) -> Scan
@@ -99,20 +100,33 @@ def scan_sources(cfg: DataConfig, sources: dict[str, Source]) -> dict[str, Scan]
         ident = src.uri if src.uri.startswith("builtin:") else src.identity  # built-in files are fresh temp files
         memo = (name, ident, json.dumps(cfg.columns, sort_keys=True), cfg.prompt_template)
         if memo not in _SCANS:
-            dropped, used, counter = {}, set(), [0]
-            kept = sum(1 for _ in _records(cfg, name, src, dropped, used, counter))
+            dropped, used, counter, kept, chat = {}, set(), [0], 0, False
+            for r in _records(cfg, name, src, dropped, used, counter):
+                kept, chat = kept + 1, chat or "messages" in r or "prompt_messages" in r
             if name in SPLIT:
                 _check_kept(src, counter[0], kept, dropped)
-            _SCANS[memo] = Scan(src.sha256, counter[0], kept, dropped, frozenset(used))
+            _SCANS[memo] = Scan(src.sha256, counter[0], kept, dropped, frozenset(used), chat)
         out[name] = _SCANS[memo]
     _check_columns(cfg, set().union(*(s.columns_used for s in out.values())))
     return out
 
 
-def check_data(cfg: DataConfig) -> dict[str, int]:
-    """Pre-flight: every source is reachable and parses. Returns the usable record count per source."""
+def check_data(cfg: DataConfig, model: ModelConfig | None = None) -> dict[str, int]:
+    """Pre-flight: every source is reachable and parses (and, given the model, chat records have a
+    chat template to render them). Returns the usable record count per source."""
     with tempfile.TemporaryDirectory(prefix="rlhf-data-") as tmp:
-        return {name: s.kept for name, s in scan_sources(cfg, _open_sources(cfg, tmp)).items()}
+        sources = _open_sources(cfg, tmp)
+        scans = scan_sources(cfg, sources)
+        chat = [n for n, s in scans.items() if s.chat]
+        if model is not None and chat and not load_tokenizer(model).chat_template:
+            _chat_template_error(model, sources[chat[0]])
+        return {name: s.kept for name, s in scans.items()}
+
+
+def _chat_template_error(model: ModelConfig, src: Source):
+    raise DataError(f"{src.field} {src.uri!r} has chat `messages` records, but the tokenizer of model.pretrain "
+                    f"{model.pretrain!r} has no chat template; use prompt/response records or set "
+                    "model.tokenizer to a tokenizer with a chat template")
 
 
 def _key_config(cfg: DataConfig, model: ModelConfig, seed: int, hashes: dict[str, str]) -> dict:
@@ -247,9 +261,7 @@ _PREFIX = {"sft": "sft", "preference": "pref", "prompts": "prompts", "ptx": "ptx
 def _needs_chat(tok, model: ModelConfig, src: Source, records: Iterable[dict]) -> Iterator[dict]:
     for r in records:
         if not tok.chat_template and ("messages" in r or "prompt_messages" in r):
-            raise DataError(f"{src.field} {src.uri!r} has chat `messages` records, but the tokenizer of model.pretrain "
-                            f"{model.pretrain!r} has no chat template; use prompt/response records or set "
-                            "model.tokenizer to a tokenizer with a chat template")
+            _chat_template_error(model, src)
         yield r
 
 
