@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from storage import ArtifactCorrupt, ArtifactRef, ArtifactStore, code_version, content_hash, sha256_file, stage_key
+from storage import ArtifactCorrupt, ArtifactRef, ArtifactStore, content_hash, sha256_file, stage_key
 from tests.conftest import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -287,17 +287,6 @@ def test_stage_key_depends_on_content_not_location():
     runs = {subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, check=True,
                            env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2", "3")}
     assert len(runs) == 1
-
-
-def test_code_version_follows_the_source(tmp_path, monkeypatch):
-    pkg = write_tree(tmp_path / "cvpkg", {"__init__.py": b"", "a.py": b"x = 1\n", "sub/b.py": b"y = 2\n"})
-    monkeypatch.syspath_prepend(str(tmp_path))
-    first = code_version("cvpkg")
-    assert code_version("cvpkg") == first and code_version("cvpkg.a") != first
-    (pkg / "sub" / "b.py").write_bytes(b"y = 3\n")
-    code_version.cache_clear()
-    assert code_version("cvpkg") != first
-    assert code_version("storage.keys") != code_version("storage.store")  # a module, not its folder
 
 
 # -- real faults -----------------------------------------------------------------------------

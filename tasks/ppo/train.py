@@ -34,7 +34,7 @@ METRICS = ("reward_mean", "reward_std", "kl", "entropy", "policy_loss", "value_l
 def ppo_key(cfg: PPOConfig, model: ModelConfig, data: ArtifactRef, sft: ArtifactRef, rm: ArtifactRef, seed: int) -> str:
     return stage_key("ppo", {"ppo": cfg, "model": model.identity(), "seed": _seed(cfg, seed)},
                      {"data": data.only("tokenizer", "prompts_train.jsonl", "prompts_eval.jsonl", "ptx_train.jsonl"), "sft": sft, "rm": rm},
-                     code_version("tasks.ppo", "tasks.common"))
+                     code_version(__name__))
 
 
 def _seed(cfg: PPOConfig, seed: int) -> int:

@@ -31,7 +31,7 @@ _NOT_IN_KEY = {"log_every"}
 
 def rm_key(cfg: RewardConfig, model: ModelConfig, data: ArtifactRef, seed: int) -> str:
     return stage_key("rm", {"rm": cfg.model_dump(mode="json", exclude=_NOT_IN_KEY), "model": model.identity(), "seed": seed},
-                     {"data": data.only("tokenizer", "pref_train.jsonl", "pref_eval.jsonl")}, code_version("tasks.rm", "tasks.sft.lora", "tasks.common"))
+                     {"data": data.only("tokenizer", "pref_train.jsonl", "pref_eval.jsonl")}, code_version(__name__))
 
 
 def train_reward_model(cfg: RewardConfig, model: ModelConfig, store: ArtifactStore, data: ArtifactRef, seed: int,

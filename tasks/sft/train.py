@@ -41,7 +41,7 @@ _NOT_IN_KEY = {"resume", "log_every"}
 
 def sft_key(cfg: SFTConfig, model: ModelConfig, data: ArtifactRef, seed: int) -> str:
     return stage_key("sft", {"sft": cfg.model_dump(mode="json", exclude=_NOT_IN_KEY), "model": model.identity(), "seed": seed},
-                     {"data": data.only("tokenizer", "sft_train.jsonl", "sft_eval.jsonl")}, code_version("tasks.sft", "tasks.common"))
+                     {"data": data.only("tokenizer", "sft_train.jsonl", "sft_eval.jsonl")}, code_version(__name__))
 
 
 def partial_key(key: str) -> str:
