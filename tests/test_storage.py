@@ -191,6 +191,40 @@ def test_corruption_is_detected_by_verify_and_fetch(store, src, tmp_path, damage
     assert not (tmp_path / "cache" / "artifacts" / store.manifest("rm/r1")["content_hash"]).exists()
 
 
+def test_verified_once_per_process_until_the_manifest_changes(store, src):
+    store.publish("rm/v1", src, kind="reward_model")
+    store.verify("rm/v1")
+    m = store.manifest("rm/v1")
+    path = store._path("rm/v1", m["data"], "weights.bin")
+    good = FILES["weights.bin"]
+    store.fs.pipe_file(path, bytes([good[0] ^ 1]) + good[1:])  # same size: only a hash sees it
+    assert store.verify("rm/v1") == m  # memoised: not hashed again in this process
+    assert store.is_good("rm/v1")  # the cheap check of a cache hit compares sizes, not hashes
+    with pytest.raises(ArtifactCorrupt, match="weights.bin"):
+        store.verify("rm/v1", again=True)
+    store.fs.pipe_file(path, good[:10])
+    assert not store.is_good("rm/v1")
+    with pytest.raises(ArtifactCorrupt, match="10 bytes"):
+        store.check("rm/v1")
+    store.publish("rm/v1", src, kind="reward_model")  # a new manifest: verified afresh
+    store.fs.pipe_file(store._path("rm/v1", store.manifest("rm/v1")["data"], "weights.bin"), bytes([good[0] ^ 1]) + good[1:])
+    with pytest.raises(ArtifactCorrupt, match="weights.bin"):
+        store.verify("rm/v1")
+
+
+def test_fetch_by_ref_checks_the_content_it_was_keyed_on(store, src, tmp_path):
+    ref = store.publish("sft/f1", src, kind="sft_adapter")
+    assert store.fetch(ref, cache_dir=tmp_path / "c") == store.fetch(ref.key, cache_dir=tmp_path / "c")
+    assert store.fetch(ref.only("tokenizer"), cache_dir=tmp_path / "c")
+    (src / "weights.bin").write_bytes(b"other weights")
+    store.publish("sft/f1", src, kind="sft_adapter")  # republished since the ref was taken
+    assert store.fetch(ref.only("tokenizer"), cache_dir=tmp_path / "c")  # the part the consumer reads is unchanged
+    with pytest.raises(ArtifactCorrupt, match="other content than the ref names"):
+        store.fetch(ref, cache_dir=tmp_path / "c")
+    with pytest.raises(ArtifactCorrupt, match="other content"):
+        store.fetch(ref.model_copy(update={"parts": {}}), cache_dir=tmp_path / "c")
+
+
 def test_corrupt_manifest_is_reported(store, src):
     store.publish("rm/r2", src, kind="reward_model")
     put_raw(store, store._path("rm/r2", "MANIFEST.json"), b'{"kind": "rew')

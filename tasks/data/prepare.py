@@ -214,12 +214,13 @@ def _write_files(out: Path, enc: Encoder, records: dict[str, list[dict]], seed: 
     return {"counts": counts, **stats}
 
 
-def prepare_data(cfg: DataConfig, model: ModelConfig, store: ArtifactStore, seed: int, *, force: bool = False) -> ArtifactRef:
+def prepare_data(cfg: DataConfig, model: ModelConfig, store: ArtifactStore, seed: int, *, key: str | None = None,
+                 force: bool = False) -> ArtifactRef:
     """Tokenize the sources into the ``dataset`` artifact at ``data_key``; reuse it when it exists."""
     with tempfile.TemporaryDirectory(prefix="rlhf-data-") as tmp:
         sources = _load_sources(cfg, tmp)
         key_config = _key_config(cfg, model, seed, sources)
-        key = _data_key(key_config)
+        key = key or _data_key(key_config)  # the flow hands the key it computed
         if not force and store.is_good(key):  # a damaged artifact is rebuilt
             return store.ref(key)
         records = _parse(cfg, sources)  # every data error is raised here, before the tokenizer loads
