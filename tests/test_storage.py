@@ -435,3 +435,18 @@ def test_ref_only_keys_on_the_parts_a_consumer_reads(tmp_path):
     assert store.ref("data/p1").parts == a.parts
     with pytest.raises(KeyError, match="no parts"):
         a.only("pref_train.jsonl")
+
+
+def test_rlhf_verify_rehashes_every_artifact(src, tmp_path, capsys):
+    from flows.cli import main
+
+    store = ArtifactStore(f"file://{tmp_path / 'store'}")
+    store.publish("sft/a", src, kind="sft_adapter")
+    store.publish("rm/b", src, kind="reward_model")
+    assert main(["verify", "--set", f"store.uri={store.uri}"]) == 0
+    store.verify("rm/b")
+    path = Path(store._path("rm/b", store.manifest("rm/b")["data"], "weights.bin"))
+    path.write_bytes(bytes([FILES["weights.bin"][0] ^ 1]) + FILES["weights.bin"][1:])  # same size: a hash sees it
+    assert main(["verify", "--set", f"store.uri={store.uri}"]) == 1  # not fooled by this process's memo
+    out = capsys.readouterr().out
+    assert "CORRUPT" in out and "rm/b" in out and "1 of 2 artifacts failed" in out
