@@ -3,6 +3,7 @@
     rlhf run [--config FILE.yaml] [--set key=value ...] [--refresh STAGE ...]
     rlhf config [--config FILE.yaml] [--set ...]     # the resolved config as YAML
     rlhf serve [--cron "0 3 * * 0"] [--config ...]   # deployment rlhf/full, served from this process
+    rlhf verify [--config ...]                       # re-hash every artifact in the store against its manifest
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
     for name, helptext in (("run", "run the pipeline now (local Prefect server and local Ray unless configured)"),
                            ("config", "print the resolved config as YAML"),
-                           ("serve", "serve deployment rlhf/full (optionally on a cron schedule) from this process")):
+                           ("serve", "serve deployment rlhf/full (optionally on a cron schedule) from this process"),
+                           ("verify", "re-hash every artifact in the store against its manifest (a cached run checks sizes only)")):
         s = sub.add_parser(name, help=helptext)
         s.add_argument("--config", help="YAML file with any of the sections seed, store, ray, model, data, sft, rm, ppo, resources")
         s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one value, e.g. --set sft.lr=1e-4 (repeatable)")
@@ -55,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "config":
             print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
             return 0
+        if args.cmd == "verify":
+            return _verify(cfg)
         from flows.preflight import preflight
 
         preflight(cfg)
@@ -73,6 +77,22 @@ def main(argv: list[str] | None = None) -> int:
             rlhf.serve(name="full", parameters={"config": cfg.model_dump(mode="json")}, cron=args.cron)
             return 0
         return _run(rlhf, cfg)
+
+
+def _verify(cfg) -> int:
+    from storage.store import ArtifactCorrupt, ArtifactStore
+
+    store = ArtifactStore(cfg.store.resolved_uri(), cfg.store.storage_options)
+    bad = 0
+    for key in store.list():
+        try:
+            store.verify(key, again=True)
+            print(f"ok       {store.uri_of(key)}")
+        except (ArtifactCorrupt, FileNotFoundError) as e:
+            bad += 1
+            print(f"CORRUPT  {e}")
+    print(f"rlhf verify: {bad} of {len(store.list())} artifacts failed their checksums")
+    return 1 if bad else 0
 
 
 def _run(rlhf, cfg) -> int:

@@ -95,8 +95,14 @@ def check_lora_targets(cfg: PipelineConfig) -> None:
         resolve_target_modules(cfg.rm.target_modules, model_skeleton(cfg.model, body_only=True), field="rm.target_modules")
 
 
+_PASSED: set[str] = set()  # configs checked in this process: the CLI checks before it starts servers, the flow again
+
+
 def preflight(cfg: PipelineConfig) -> None:
     from tasks.common.model import check_model_exists
+
+    if (fingerprint := cfg.model_dump_json()) in _PASSED:
+        return
     from tasks.data.prepare import check_data
     from tasks.ppo.train import check_ppo
 
@@ -109,3 +115,4 @@ def preflight(cfg: PipelineConfig) -> None:
             raise
         except (ValueError, FileNotFoundError) as e:
             raise ConfigError(str(e)) from None
+    _PASSED.add(fingerprint)

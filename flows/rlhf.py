@@ -3,13 +3,16 @@
 Each stage is a plain function in ``tasks/``; the Prefect tasks below only add what Prefect is
 for: retries with backoff, a cross-run cache, Ray resources, and a published Prefect artifact.
 
-Caching: a stage's Prefect cache key is its artifact key (``storage.keys.stage_key``: its own
-config, its code version, the content hashes of its inputs), so an unchanged stage is skipped
-in a new run and a change upstream re-runs exactly the stages downstream of it. A cache hit is
-trusted only if the artifact is still in the store and passes its checksums; otherwise the key
-changes and the stage rebuilds. Each stage function also returns an artifact that is already
-published at its key, so the store alone is enough to resume (a lost Prefect database costs
-nothing but the cache lookups).
+Caching, one fact in one place: the artifact store is the truth, Prefect's cache an index of it.
+The flow computes each stage's key once (``tasks.*.train.*_key``: its config, its derived code
+version, the content hashes of its inputs) as soon as its inputs are known, and hands it to the
+task and the stage function; Prefect's cache key is that key. A stage is a hit when the store
+holds a whole artifact at the key (``ArtifactStore.is_good``: manifest, files and sizes, no
+hashing); a hit runs in the flow's own thread and Prefect records it as Cached, so no Ray worker
+starts for it, and when every stage is a hit no Ray starts at all. A miss, or an artifact that
+failed its check, is submitted to Ray with ``refresh_cache``. The ref a hit returns is the
+store's (``store.ref``), never a copy from Prefect's records, and cached results are JSON
+dicts, not pickles.
 """
 
 from __future__ import annotations
@@ -17,9 +20,11 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import time
 from pathlib import Path
 
 from prefect import flow, get_run_logger, task
+from prefect.serializers import JSONSerializer
 
 from flows.config import PipelineConfig, StageResources, validate_config
 from storage.store import ArtifactRef, ArtifactStore
@@ -31,39 +36,35 @@ def open_store(cfg: PipelineConfig) -> ArtifactStore:
     return ArtifactStore(cfg.store.resolved_uri(), cfg.store.storage_options)
 
 
-def stage_cache_key(stage: str):
-    """A Prefect cache_key_fn: the stage's artifact key (content-derived), in the store's namespace.
-
-    Whether a cached result may be used is decided before submitting (``submit_stage``): a stage
-    whose artifact is missing or fails its checksums is submitted with ``refresh_cache``.
-    """
-
-    def key_fn(context, parameters) -> str:
-        cfg = validate_config(parameters["cfg"])
-        inputs = {k: v for k, v in parameters.items() if k != "cfg"}
-        key = expected_key(stage, cfg, inputs)
-        # Prefect stores cache records under this name: hash it (URIs hold '/' and ':')
-        return "rlhf-" + hashlib.sha256(f"{cfg.store.resolved_uri()}|{key}".encode()).hexdigest()[:40]
-
-    return key_fn
+def cache_key(context, parameters) -> str:
+    """Prefect's cache key: the artifact key handed to the task, in its store's namespace
+    (hashed: Prefect stores records under this name, and URIs hold '/' and ':')."""
+    store_uri = parameters["cfg"].store.resolved_uri()
+    return "rlhf-" + hashlib.sha256(f"{store_uri}|{parameters['key']}".encode()).hexdigest()[:40]
 
 
-def expected_key(stage: str, cfg: PipelineConfig, p: dict) -> str:
-    if stage == "data":
-        from tasks.data.prepare import data_key
+def data_key(cfg: PipelineConfig) -> str:
+    from tasks.data.prepare import data_key
 
-        return data_key(cfg.data, cfg.model, cfg.seed)
-    if stage == "sft":
-        from tasks.sft.train import sft_key
+    return data_key(cfg.data, cfg.model, cfg.seed)
 
-        return sft_key(cfg.sft, cfg.model, p["data"], cfg.seed)
-    if stage == "rm":
-        from tasks.rm.train import rm_key
 
-        return rm_key(cfg.rm, cfg.model, p["data"], cfg.seed)
+def sft_key(cfg: PipelineConfig, data: ArtifactRef) -> str:
+    from tasks.sft.train import sft_key
+
+    return sft_key(cfg.sft, cfg.model, data, cfg.seed)
+
+
+def rm_key(cfg: PipelineConfig, data: ArtifactRef) -> str:
+    from tasks.rm.train import rm_key
+
+    return rm_key(cfg.rm, cfg.model, data, cfg.seed)
+
+
+def ppo_key(cfg: PipelineConfig, data: ArtifactRef, sft: ArtifactRef, rm: ArtifactRef) -> str:
     from tasks.ppo.train import ppo_key
 
-    return ppo_key(cfg.ppo, cfg.model, p["data"], p["sft"], p["rm"], cfg.seed)
+    return ppo_key(cfg.ppo, cfg.model, data, sft, rm, cfg.seed)
 
 
 def publish_prefect_artifact(stage: str, store: ArtifactStore, ref: ArtifactRef) -> None:
@@ -81,7 +82,7 @@ def publish_prefect_artifact(stage: str, store: ArtifactStore, ref: ArtifactRef)
 def _ppo_table(store: ArtifactStore, ref: ArtifactRef) -> str:
     import json
 
-    path = store.fetch(ref.key) / "metrics.jsonl"
+    path = store.fetch(ref) / "metrics.jsonl"
     lines = ["\n### per iteration\n", "| iteration | reward mean | KL | policy loss | eval RM score | eval true score |", "|---|---|---|---|---|---|"]
     for rec in (json.loads(x) for x in path.read_text().splitlines() if x.strip()):
         lines.append(f"| {rec.get('iteration', '')} | {_fmt(rec.get('ppo/reward_mean'))} | {_fmt(rec.get('ppo/kl'))} | "
@@ -117,91 +118,129 @@ def _progress_to_stderr() -> None:
         lg.propagate = False
 
 
-def _run_stage(stage: str, fn, cfg: PipelineConfig, **inputs: ArtifactRef) -> ArtifactRef:
-    cfg = validate_config(cfg)
+def _run_stage(stage: str, fn, cfg: PipelineConfig, key: str, **inputs: ArtifactRef) -> dict:
     _progress_to_stderr()
     _inject_fault(stage)
     store = open_store(cfg)
-    ref = fn(cfg, store, *inputs.values(), force=stage in cfg.refresh or "all" in cfg.refresh)
+    ref = fn(cfg, store, *inputs.values(), key=key, force=stage in cfg.refresh or "all" in cfg.refresh)
     get_run_logger().info("%s -> %s", stage, ref.uri)
     publish_prefect_artifact(stage, store, ref)
-    return ref
+    return ref.model_dump(mode="json")  # JSON data in Prefect's result store, see _TASK_OPTS
 
 
 # -- the four stage tasks: thin wrappers over tasks/*.py -------------------------------------
-def _data(cfg, store, force):
+def _data(cfg, store, key, force):
     from tasks.data.prepare import prepare_data
 
-    return prepare_data(cfg.data, cfg.model, store, cfg.seed, force=force)
+    return prepare_data(cfg.data, cfg.model, store, cfg.seed, key=key, force=force)
 
 
-def _sft(cfg, store, data, force):
+def _sft(cfg, store, data, key, force):
     from tasks.sft.train import train_sft
 
-    return train_sft(cfg.sft, cfg.model, store, data, cfg.seed, force=force)
+    return train_sft(cfg.sft, cfg.model, store, data, cfg.seed, key=key, force=force)
 
 
-def _rm(cfg, store, data, force):
+def _rm(cfg, store, data, key, force):
     from tasks.rm.train import train_reward_model
 
-    return train_reward_model(cfg.rm, cfg.model, store, data, cfg.seed, force=force)
+    return train_reward_model(cfg.rm, cfg.model, store, data, cfg.seed, key=key, force=force)
 
 
-def _ppo(cfg, store, data, sft, rm, force):
+def _ppo(cfg, store, data, sft, rm, key, force):
     from tasks.ppo.train import train_ppo
 
-    return train_ppo(cfg.ppo, cfg.model, store, data, sft, rm, cfg.seed, force=force)
+    return train_ppo(cfg.ppo, cfg.model, store, data, sft, rm, cfg.seed, key=key, force=force)
 
 
-_TASK_OPTS = dict(persist_result=True, cache_expiration=None, log_prints=True)
+# Results are plain JSON dicts (ArtifactRef.model_dump) with no object hooks: reading a record
+# imports and runs nothing of ours, and a record from before a field was added still validates.
+_TASK_OPTS = dict(persist_result=True, cache_expiration=None, log_prints=True, cache_key_fn=cache_key,
+                  result_serializer=JSONSerializer(object_encoder=None, object_decoder=None))
 
 
-@task(name="data", cache_key_fn=stage_cache_key("data"), **_TASK_OPTS)
-def data_task(cfg: PipelineConfig) -> ArtifactRef:
-    return _run_stage("data", _data, cfg)
+@task(name="data", **_TASK_OPTS)
+def data_task(cfg: PipelineConfig, key: str) -> dict:
+    return _run_stage("data", _data, cfg, key)
 
 
-@task(name="sft", cache_key_fn=stage_cache_key("sft"), **_TASK_OPTS)
-def sft_task(cfg: PipelineConfig, data: ArtifactRef) -> ArtifactRef:
-    return _run_stage("sft", _sft, cfg, data=data)
+@task(name="sft", **_TASK_OPTS)
+def sft_task(cfg: PipelineConfig, key: str, data: ArtifactRef) -> dict:
+    return _run_stage("sft", _sft, cfg, key, data=data)
 
 
-@task(name="rm", cache_key_fn=stage_cache_key("rm"), **_TASK_OPTS)
-def rm_task(cfg: PipelineConfig, data: ArtifactRef) -> ArtifactRef:
-    return _run_stage("rm", _rm, cfg, data=data)
+@task(name="rm", **_TASK_OPTS)
+def rm_task(cfg: PipelineConfig, key: str, data: ArtifactRef) -> dict:
+    return _run_stage("rm", _rm, cfg, key, data=data)
 
 
-@task(name="ppo", cache_key_fn=stage_cache_key("ppo"), **_TASK_OPTS)
-def ppo_task(cfg: PipelineConfig, data: ArtifactRef, sft: ArtifactRef, rm: ArtifactRef) -> ArtifactRef:
-    return _run_stage("ppo", _ppo, cfg, data=data, sft=sft, rm=rm)
+@task(name="ppo", **_TASK_OPTS)
+def ppo_task(cfg: PipelineConfig, key: str, data: ArtifactRef, sft: ArtifactRef, rm: ArtifactRef) -> dict:
+    return _run_stage("ppo", _ppo, cfg, key, data=data, sft=sft, rm=rm)
 
 
-def submit_stage(t, stage: str, cfg: PipelineConfig, store: ArtifactStore, **inputs):
-    """Submit one stage's task to Ray with its resources, retries (exponential backoff) and cache rule."""
+class Stage:
+    """One submitted stage: ``result()`` waits for its ref and prints what happened."""
+
+    def __init__(self, stage: str, store: ArtifactStore, outcome: str, ref: ArtifactRef | None = None, future=None):
+        self.stage, self.store, self.outcome, self.ref, self.future, self.t0 = stage, store, outcome, ref, future, time.time()
+
+    def result(self) -> ArtifactRef:
+        if self.ref is None:
+            self.ref = ArtifactRef.model_validate(self.future.result())
+        print(f"rlhf: {self.stage:5s} {self.outcome:28s} {time.time() - self.t0:6.1f}s  {self.ref.uri}")
+        return self.ref
+
+
+def refreshed(cfg: PipelineConfig, stage: str) -> bool:
+    return stage in cfg.refresh or "all" in cfg.refresh
+
+
+def hit(cfg: PipelineConfig, store: ArtifactStore, stage: str, key: str) -> bool:
+    return not refreshed(cfg, stage) and store.is_good(key)
+
+
+def submit_stage(t, stage: str, key: str, cfg: PipelineConfig, store: ArtifactStore, **inputs: ArtifactRef) -> Stage:
+    """A hit runs in this thread (Prefect finds its record: Cached, no Ray worker); anything else
+    goes to Ray with the stage's resources, retries (exponential backoff) and ``refresh_cache``."""
     from prefect_ray.context import remote_options
 
     r: StageResources = cfg.resources[stage]
-    key = expected_key(stage, cfg, inputs)
-    stale = not store.is_good(key)  # never reuse what is not there whole
-    if stale and store.exists(key):
+    opts = dict(retries=r.retries, retry_delay_seconds=[r.retry_delay_s * 2**i for i in range(max(r.retries, 1))])
+    if hit(cfg, store, stage, key):
+        t.with_options(**opts, refresh_cache=False)(cfg, key, **inputs)
+        return Stage(stage, store, "cached", ref=store.ref(key))
+    outcome = "built" if refreshed(cfg, stage) or not store.exists(key) else "rebuilt (failed its check)"
+    if outcome != "built":
         get_run_logger().warning("%s: %s failed its check and will be rebuilt", stage, store.uri_of(key))
-    opts = dict(retries=r.retries, retry_delay_seconds=[r.retry_delay_s * 2**i for i in range(max(r.retries, 1))],
-                refresh_cache=stale or stage in cfg.refresh or "all" in cfg.refresh)
     ray_opts = {"num_cpus": r.num_cpus, **({"num_gpus": r.num_gpus} if r.num_gpus else {}),
                 **({"resources": dict(r.resources)} if r.resources else {})}
     with remote_options(**ray_opts):
-        return t.with_options(**opts).submit(cfg, **inputs)
+        return Stage(stage, store, outcome, future=t.with_options(**opts, refresh_cache=True).submit(cfg, key, **inputs))
+
+
+def known_keys(cfg: PipelineConfig, store: ArtifactStore) -> dict[str, str]:
+    """The keys computable before anything runs: data's, and each next stage's while its inputs
+    are hits. The flow computes the rest once their inputs are built."""
+    keys = {"data": data_key(cfg)}
+    if not hit(cfg, store, "data", keys["data"]):
+        return keys
+    data = store.ref(keys["data"])
+    keys["sft"], keys["rm"] = sft_key(cfg, data), rm_key(cfg, data)
+    if hit(cfg, store, "sft", keys["sft"]) and hit(cfg, store, "rm", keys["rm"]):
+        keys["ppo"] = ppo_key(cfg, data, store.ref(keys["sft"]), store.ref(keys["rm"]))
+    return keys
 
 
 @flow(name="rlhf-stages")
-def rlhf_stages(cfg: PipelineConfig) -> dict[str, ArtifactRef]:
+def rlhf_stages(cfg: PipelineConfig, keys: dict[str, str]) -> dict[str, ArtifactRef]:
     store = open_store(cfg)
-    data = submit_stage(data_task, "data", cfg, store).result()
-    sft = submit_stage(sft_task, "sft", cfg, store, data=data)
-    rm = submit_stage(rm_task, "rm", cfg, store, data=data)  # independent of SFT: Ray runs them side by side
+    data = submit_stage(data_task, "data", keys["data"], cfg, store).result()
+    sft = submit_stage(sft_task, "sft", keys.get("sft") or sft_key(cfg, data), cfg, store, data=data)
+    rm = submit_stage(rm_task, "rm", keys.get("rm") or rm_key(cfg, data), cfg, store, data=data)  # beside SFT on Ray
     sft, rm = sft.result(), rm.result()
-    ppo = submit_stage(ppo_task, "ppo", cfg, store, data=data, sft=sft, rm=rm).result()
-    return {"data": data, "sft": sft, "rm": rm, "ppo": ppo}
+    ppo = submit_stage(ppo_task, "ppo", keys.get("ppo") or ppo_key(cfg, data, sft, rm), cfg, store, data=data, sft=sft, rm=rm)
+    return {"data": data, "sft": sft, "rm": rm, "ppo": ppo.result()}
 
 
 @flow(name="rlhf", log_prints=True)
@@ -212,4 +251,8 @@ def rlhf(config: PipelineConfig = PipelineConfig()) -> dict[str, ArtifactRef]:
 
     cfg = validate_config(config)
     preflight(cfg)  # every config/data/cluster error before any model loads
-    return rlhf_stages.with_options(task_runner=ray_task_runner(cfg.ray))(cfg)
+    store = open_store(cfg)
+    keys = known_keys(cfg, store)
+    if "ppo" in keys and hit(cfg, store, "ppo", keys["ppo"]):  # every stage a hit: no Ray to start
+        return rlhf_stages(cfg, keys)
+    return rlhf_stages.with_options(task_runner=ray_task_runner(cfg.ray))(cfg, keys)

@@ -31,6 +31,7 @@ from pydantic import BaseModel
 MANIFEST = "MANIFEST.json"
 DATA_PREFIX = "data-"
 _LOCAL = {"file", "local"}
+_VERIFIED: set[tuple] = set()  # (store uri, key, data folder, manifest stamp) hashed whole in this process
 _SEGMENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._=+-]*")
 # Fields publish() writes itself; ``extra`` may not replace them (a stray "files" would make the
 # manifest point at nothing).
@@ -236,9 +237,25 @@ class ArtifactStore:
                 keys.append(key)
         return sorted(keys)
 
-    def verify(self, key: str) -> dict:
-        """Re-hash every file in the store against the manifest; raises ArtifactCorrupt."""
+    def _stamp(self, key: str) -> tuple:
+        """What changes when a manifest is rewritten: ETag on object stores, mtime on disks, and size."""
+        info = self.fs.info(self._path(key, MANIFEST))
+        return tuple(str(info.get(k)) for k in ("ETag", "mtime", "LastModified", "created", "size"))
+
+    def verify(self, key: str, *, again: bool = False) -> dict:
+        """Re-hash every file in the store against the manifest; raises ArtifactCorrupt.
+
+        Once per process: a (store, key, data folder, manifest stamp) that verified is not hashed
+        again (a republish changes the stamp); ``again`` re-hashes anyway (``rlhf verify``).
+        """
+        try:
+            stamp = self._stamp(key)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no artifact at {self.uri_of(key)} (no {MANIFEST})") from None
         m = self.manifest(key)
+        memo = (self.uri, key, m["data"], stamp)
+        if memo in _VERIFIED and not again:
+            return m
         uri = self.uri_of(key)
         for rel, meta in m["files"].items():
             path = self._path(key, m["data"], _check_rel(uri, rel))
@@ -251,28 +268,52 @@ class ArtifactStore:
             except FileNotFoundError:
                 raise ArtifactCorrupt(f"{uri}: file {rel} named in the manifest is missing") from None
             _check_file(uri, rel, meta, h.hexdigest(), size)
+        _VERIFIED.add(memo)
+        return m
+
+    def check(self, key: str) -> dict:
+        """The cheap check of a cache hit: the manifest, and every file it names present with its
+        size (one listing, no file read); raises ArtifactCorrupt. Hashes are checked by
+        ``verify``, which every fetch that loads the artifact runs."""
+        m = self.manifest(key)
+        uri, base = self.uri_of(key), self._path(key, m["data"])
+        self._fresh(base)
+        try:
+            listed = self.fs.find(base, detail=True)
+        except FileNotFoundError:
+            listed = {}
+        sizes = {_strip(self.fs, p)[len(_strip(self.fs, base)) + 1:]: info.get("size") for p, info in listed.items()}
+        for rel, meta in m["files"].items():
+            if _check_rel(uri, rel) not in sizes:
+                raise ArtifactCorrupt(f"{uri}: file {rel} named in the manifest is missing")
+            if sizes[rel] != meta["size"]:
+                raise ArtifactCorrupt(f"{uri}: file {rel} has {sizes[rel]} bytes, the manifest says {meta['size']} (truncated?)")
         return m
 
     def is_good(self, key: str) -> bool:
-        """Published and every file matching its manifest: what a stage may reuse instead of
+        """Published and whole by ``check`` (sizes, not hashes): what a stage may reuse instead of
         rebuilding (a damaged artifact is rebuilt, never trusted)."""
-        if not self.exists(key):
-            return False
         try:
-            self.verify(key)
+            self.check(key)
             return True
         except (ArtifactCorrupt, FileNotFoundError):
             return False
 
-    def fetch(self, key: str, cache_dir: str | Path | None = None, verify: bool = True) -> Path:
+    def fetch(self, key: "str | ArtifactRef", cache_dir: str | Path | None = None, verify: bool = True) -> Path:
         """A local directory holding the artifact's files, checked against the manifest.
 
+        Given an ``ArtifactRef``, the manifest must also hold the content the ref names (a
+        consumer keyed on a ref never loads different bytes republished at the same key).
         Local stores return the published folder itself (treat it as read-only); ``verify``
-        re-hashes it. Remote ones download once into a cache keyed by content hash
-        (``$RLHF_CACHE`` or ``~/.cache/rlhf``); downloads are always checked, since the cache is
-        shared by every later fetch of the same content.
+        re-hashes it (once per process). Remote ones download once into a cache keyed by content
+        hash (``$RLHF_CACHE`` or ``~/.cache/rlhf``); downloads are always checked, since the cache
+        is shared by every later fetch of the same content.
         """
+        ref = key if isinstance(key, ArtifactRef) else None
+        key = ref.key if ref is not None else key
         m = self.manifest(key)
+        if ref is not None:
+            _check_ref(ref, m)
         if self.local:
             if verify:
                 self.verify(key)
@@ -399,6 +440,13 @@ class ArtifactStore:
             self.fs.rm_file(self._path(key, MANIFEST))
         if self.fs.exists(base):
             self.fs.rm(base, recursive=True)
+
+
+def _check_ref(ref: ArtifactRef, m: Mapping[str, Any]) -> None:
+    have = part_hashes(m["files"])
+    if (ref.parts and any(have.get(n) != h for n, h in ref.parts.items())) or (not ref.parts and m["content_hash"] != ref.content_hash):
+        raise ArtifactCorrupt(f"{ref.uri}: the store holds other content than the ref names (content hash "
+                              f"{m['content_hash'][:12]}, ref {ref.content_hash[:12]}): it was republished since; rerun the stage that made it")
 
 
 def _check_file(uri: str, rel: str, meta: Mapping[str, Any], sha256: str, size: int) -> None:

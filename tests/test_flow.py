@@ -9,7 +9,9 @@ the server.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from storage.store import ArtifactStore
+from storage.store import ArtifactRef, ArtifactStore
+from tests.conftest import free_port
 
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
@@ -61,19 +64,45 @@ def store_uri(tmp_path_factory, prefect_api, rlhf_cache) -> str:
     return "file://" + str(tmp_path_factory.mktemp("flow-store"))
 
 
+KINDS = {"dataset": "data", "sft_adapter": "sft", "reward_model": "rm", "ppo_actor": "ppo"}
+
+
+def result_records(store_uri: str) -> dict[str, Path]:
+    """Stage -> the Prefect result record of its (one) artifact in this store."""
+    from flows.config import PipelineConfig
+    from flows.rlhf import cache_key
+
+    store, cfg = ArtifactStore(store_uri), PipelineConfig(store={"uri": store_uri})
+    found = {KINDS[store.manifest(k)["kind"]]: k for k in store.list() if store.manifest(k)["kind"] in KINDS}
+    storage = Path(os.environ["PREFECT_HOME"]) / "storage"
+    return {stage: storage / cache_key(None, {"cfg": cfg, "key": key}) for stage, key in found.items()}
+
+
 def test_run_then_cached_rerun_then_only_downstream_reruns(store_uri, prefect_api):
-    _, first = rlhf_run(store_uri)
+    p, first = rlhf_run(store_uri)
     states = task_states()
     assert {s["state"] for s in states.values()} == {"Completed"}, states
+    assert all(re.search(rf"rlhf: {s:5s} built ", p.stdout + p.stderr) for s in ("data", "sft", "rm", "ppo")), p.stderr
     store = ArtifactStore(store_uri)
     keys = store.list()
     assert {k.split("/")[0] for k in keys} >= {"data", "sft", "rm", "ppo"}, keys
     for k in keys:
         store.verify(k)
+    # Cached results are JSON data. Make each look written before ArtifactRef had `parts`:
+    # Prefect still loads it (the rerun is Cached) and it still validates.
+    for stage, path in result_records(store_uri).items():
+        record = json.loads(path.read_text())
+        ref = json.loads(record["result"])
+        assert ArtifactRef.model_validate(ref).key.startswith(stage + "/") and record["metadata"]["serializer"]["type"] == "json"
+        del ref["parts"]
+        assert ArtifactRef.model_validate(ref).parts == {}
+        path.write_text(json.dumps({**record, "result": json.dumps(ref)}))
 
-    _, cached = rlhf_run(store_uri)
+    p, cached = rlhf_run(store_uri)
     states = task_states()
     assert {n: s["state"] for n, s in states.items()} == {n: "Cached" for n in ("data", "sft", "rm", "ppo")}, states
+    assert all(re.search(rf"rlhf: {s:5s} cached ", p.stdout + p.stderr) for s in ("data", "sft", "rm", "ppo")), p.stderr
+    assert "Started a local Ray instance" not in p.stdout + p.stderr  # every stage a hit: no Ray
     print(f"\nfirst run {first:.1f}s, fully cached rerun {cached:.1f}s (wall, `rlhf run` incl. Prefect server + Ray start)")
     assert cached < first
 
@@ -81,6 +110,54 @@ def test_run_then_cached_rerun_then_only_downstream_reruns(store_uri, prefect_ap
     rlhf_run(store_uri, "--set", "rm.lr=5e-4")
     states = {n: s["state"] for n, s in task_states().items()}
     assert states == {"data": "Cached", "sft": "Cached", "rm": "Completed", "ppo": "Completed"}, states
+
+
+@pytest.fixture
+def logged_s3(tmp_path):
+    """A moto S3 server of this test's own with its request log in a file: (endpoint, bucket, log)."""
+    from tests.conftest import _wait_http
+
+    port, log = free_port(), tmp_path / "moto.log"
+    env = {**os.environ, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    proc = subprocess.Popen([str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(port)], stdout=open(log, "w"),
+                            stderr=subprocess.STDOUT, env=env)
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        _wait_http(endpoint, 30, proc)
+        import boto3
+
+        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="testing",
+                     aws_secret_access_key="testing").create_bucket(Bucket="rlhf-warm")
+        yield endpoint, "rlhf-warm", log, {k: env[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")}
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_warm_run_on_s3_reads_only_manifests(store_uri, prefect_api, logged_s3, monkeypatch):
+    """Keys do not depend on where the store is: a copy of the file store on S3 is all cached, and
+    a warm run GETs manifests only (bytes summed from the S3 server's request log)."""
+    endpoint, bucket, log, creds = logged_s3
+    for k, v in creds.items():
+        monkeypatch.setenv(k, v)
+    local, uri = ArtifactStore(store_uri), f"s3://{bucket}/warm"
+    s3 = ArtifactStore(uri, {"client_kwargs": {"endpoint_url": endpoint}})
+    for p in Path(local.root).rglob("*"):
+        if p.is_file():
+            s3.fs.put_file(str(p), f"{s3.root}/{p.relative_to(local.root).as_posix()}")
+    extra = ["--set", f"store.storage_options.client_kwargs.endpoint_url={endpoint}"]
+    rlhf_run(uri, *extra, env=creds)  # no Prefect records for this store yet: each task finds the artifact itself
+    offset = log.stat().st_size
+    p, wall = rlhf_run(uri, *extra, env=creds)
+    assert {n: s["state"] for n, s in task_states().items()} == {n: "Cached" for n in ("data", "sft", "rm", "ppo")}
+    requests = re.findall(r'"(GET|HEAD|PUT|POST|DELETE) (\S+) HTTP', log.read_text()[offset:])
+    got = sorted({path.lstrip("/") for verb, path in requests if verb == "GET" and "?" not in path})
+    got_bytes = sum(s3.fs.info(path)["size"] for path in got)
+    total = sum(s3.fs.du(f"{s3.root}/{k}") for k in s3.list() if "-ckpt" not in k)
+    print(f"\nwarm run on s3: {wall:.1f}s, {len(requests)} requests, GET {len(got)} objects = {got_bytes} bytes "
+          f"(the artifacts hold {total} bytes)")
+    assert got and all(path.endswith("/MANIFEST.json") for path in got), got
+    assert got_bytes < 64_000 < total, (got_bytes, total)
 
 
 def test_refresh_rebuilds_the_stage(store_uri, prefect_api):

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from storage import ArtifactCorrupt, ArtifactRef, ArtifactStore, code_version, content_hash, sha256_file, stage_key
+from storage import ArtifactCorrupt, ArtifactRef, ArtifactStore, content_hash, sha256_file, stage_key
 from tests.conftest import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -191,6 +191,40 @@ def test_corruption_is_detected_by_verify_and_fetch(store, src, tmp_path, damage
     assert not (tmp_path / "cache" / "artifacts" / store.manifest("rm/r1")["content_hash"]).exists()
 
 
+def test_verified_once_per_process_until_the_manifest_changes(store, src):
+    store.publish("rm/v1", src, kind="reward_model")
+    store.verify("rm/v1")
+    m = store.manifest("rm/v1")
+    path = store._path("rm/v1", m["data"], "weights.bin")
+    good = FILES["weights.bin"]
+    store.fs.pipe_file(path, bytes([good[0] ^ 1]) + good[1:])  # same size: only a hash sees it
+    assert store.verify("rm/v1") == m  # memoised: not hashed again in this process
+    assert store.is_good("rm/v1")  # the cheap check of a cache hit compares sizes, not hashes
+    with pytest.raises(ArtifactCorrupt, match="weights.bin"):
+        store.verify("rm/v1", again=True)
+    store.fs.pipe_file(path, good[:10])
+    assert not store.is_good("rm/v1")
+    with pytest.raises(ArtifactCorrupt, match="10 bytes"):
+        store.check("rm/v1")
+    store.publish("rm/v1", src, kind="reward_model")  # a new manifest: verified afresh
+    store.fs.pipe_file(store._path("rm/v1", store.manifest("rm/v1")["data"], "weights.bin"), bytes([good[0] ^ 1]) + good[1:])
+    with pytest.raises(ArtifactCorrupt, match="weights.bin"):
+        store.verify("rm/v1")
+
+
+def test_fetch_by_ref_checks_the_content_it_was_keyed_on(store, src, tmp_path):
+    ref = store.publish("sft/f1", src, kind="sft_adapter")
+    assert store.fetch(ref, cache_dir=tmp_path / "c") == store.fetch(ref.key, cache_dir=tmp_path / "c")
+    assert store.fetch(ref.only("tokenizer"), cache_dir=tmp_path / "c")
+    (src / "weights.bin").write_bytes(b"other weights")
+    store.publish("sft/f1", src, kind="sft_adapter")  # republished since the ref was taken
+    assert store.fetch(ref.only("tokenizer"), cache_dir=tmp_path / "c")  # the part the consumer reads is unchanged
+    with pytest.raises(ArtifactCorrupt, match="other content than the ref names"):
+        store.fetch(ref, cache_dir=tmp_path / "c")
+    with pytest.raises(ArtifactCorrupt, match="other content"):
+        store.fetch(ref.model_copy(update={"parts": {}}), cache_dir=tmp_path / "c")
+
+
 def test_corrupt_manifest_is_reported(store, src):
     store.publish("rm/r2", src, kind="reward_model")
     put_raw(store, store._path("rm/r2", "MANIFEST.json"), b'{"kind": "rew')
@@ -287,17 +321,6 @@ def test_stage_key_depends_on_content_not_location():
     runs = {subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, check=True,
                            env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2", "3")}
     assert len(runs) == 1
-
-
-def test_code_version_follows_the_source(tmp_path, monkeypatch):
-    pkg = write_tree(tmp_path / "cvpkg", {"__init__.py": b"", "a.py": b"x = 1\n", "sub/b.py": b"y = 2\n"})
-    monkeypatch.syspath_prepend(str(tmp_path))
-    first = code_version("cvpkg")
-    assert code_version("cvpkg") == first and code_version("cvpkg.a") != first
-    (pkg / "sub" / "b.py").write_bytes(b"y = 3\n")
-    code_version.cache_clear()
-    assert code_version("cvpkg") != first
-    assert code_version("storage.keys") != code_version("storage.store")  # a module, not its folder
 
 
 # -- real faults -----------------------------------------------------------------------------
@@ -412,3 +435,18 @@ def test_ref_only_keys_on_the_parts_a_consumer_reads(tmp_path):
     assert store.ref("data/p1").parts == a.parts
     with pytest.raises(KeyError, match="no parts"):
         a.only("pref_train.jsonl")
+
+
+def test_rlhf_verify_rehashes_every_artifact(src, tmp_path, capsys):
+    from flows.cli import main
+
+    store = ArtifactStore(f"file://{tmp_path / 'store'}")
+    store.publish("sft/a", src, kind="sft_adapter")
+    store.publish("rm/b", src, kind="reward_model")
+    assert main(["verify", "--set", f"store.uri={store.uri}"]) == 0
+    store.verify("rm/b")
+    path = Path(store._path("rm/b", store.manifest("rm/b")["data"], "weights.bin"))
+    path.write_bytes(bytes([FILES["weights.bin"][0] ^ 1]) + FILES["weights.bin"][1:])  # same size: a hash sees it
+    assert main(["verify", "--set", f"store.uri={store.uri}"]) == 1  # not fooled by this process's memo
+    out = capsys.readouterr().out
+    assert "CORRUPT" in out and "rm/b" in out and "1 of 2 artifacts failed" in out

@@ -144,7 +144,7 @@ def data_key(cfg: DataConfig, model: ModelConfig, seed: int) -> str:
 
 
 def _data_key(key_config: dict) -> str:
-    return stage_key("data", key_config, {}, code_version("tasks.data", "tasks.common"))
+    return stage_key("data", key_config, {}, code_version(__name__))
 
 
 # -- pure helpers ------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ METRICS = ("reward_mean", "reward_std", "kl", "entropy", "policy_loss", "value_l
 def ppo_key(cfg: PPOConfig, model: ModelConfig, data: ArtifactRef, sft: ArtifactRef, rm: ArtifactRef, seed: int) -> str:
     return stage_key("ppo", {"ppo": cfg, "model": model.identity(), "seed": _seed(cfg, seed)},
                      {"data": data.only("tokenizer", "prompts_train.jsonl", "prompts_eval.jsonl", "ptx_train.jsonl"), "sft": sft, "rm": rm},
-                     code_version("tasks.ppo", "tasks.common"))
+                     code_version(__name__))
 
 
 def _seed(cfg: PPOConfig, seed: int) -> int:
@@ -83,22 +83,23 @@ class PromptSampler:
 
 def train_ppo(cfg: PPOConfig, model: ModelConfig, store: ArtifactStore, data: ArtifactRef, sft: ArtifactRef,
               rm: ArtifactRef, seed: int, on_iteration: Callable[[int, dict], None] | None = None,
-              *, force: bool = False) -> ArtifactRef:
+              *, key: str | None = None, force: bool = False) -> ArtifactRef:
     """PPO of the SFT policy against the reward model; returns the ``ppo_actor`` artifact.
 
     ``on_iteration(it, metrics)`` is called after each iteration (and its checkpoint); an
-    exception from it stops the run like a crash would (tests use it to interrupt).
+    exception from it stops the run like a crash would (tests use it to interrupt). ``key`` is the
+    one the flow computed (``ppo_key``); None computes it.
     """
     import ray
 
-    key = ppo_key(cfg, model, data, sft, rm, seed)
+    key = key or ppo_key(cfg, model, data, sft, rm, seed)
     if not force and store.is_good(key):  # a damaged artifact is rebuilt
         return store.ref(key)
     seed = _seed(cfg, seed)
     check_ppo(cfg)
     check_model_exists(model)
     check_fast_generate(cfg.fast_generate, cfg.strategy, model)
-    data_dir = store.fetch(data.key)
+    data_dir = store.fetch(data)
     tokenizer = load_tokenizer(model, str(data_dir / "tokenizer"))
     prompts = [r["prompt_ids"] for r in read_jsonl(data_dir / "prompts_train.jsonl")]
     evals = [r["prompt_ids"] for r in read_jsonl(data_dir / "prompts_eval.jsonl")][: cfg.eval_prompts]
@@ -166,10 +167,11 @@ def start_roles(cfg, model, store, data, sft, rm, seed, tokenizer, pgs) -> dict[
     groups = {r: RoleGroup(r, classes[r], cfg.role(r), pgs[r], cfg.strategy, seed, role_device(cfg, r)) for r in ROLES}
     ray.get([ref for g in groups.values() for ref in g.connect()])
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
-    loads = [w.load.remote(model, store, sft.key, data.key, cfg, pad, eos) for w in groups["actor"].workers]
-    loads += [w.load.remote(model, store, sft.key, cfg) for w in groups["initial"].workers]
-    loads += [w.load.remote(store, rm.key) for w in groups["reward"].workers]
-    loads += [w.load.remote(store, rm.key, cfg) for w in groups["critic"].workers]
+    # refs, not keys: every worker's fetch checks that the store holds the content PPO was keyed on
+    loads = [w.load.remote(model, store, sft, data, cfg, pad, eos) for w in groups["actor"].workers]
+    loads += [w.load.remote(model, store, sft, cfg) for w in groups["initial"].workers]
+    loads += [w.load.remote(store, rm) for w in groups["reward"].workers]
+    loads += [w.load.remote(store, rm, cfg) for w in groups["critic"].workers]
     ray.get(loads)
     return groups
 

@@ -31,18 +31,19 @@ _NOT_IN_KEY = {"log_every"}
 
 def rm_key(cfg: RewardConfig, model: ModelConfig, data: ArtifactRef, seed: int) -> str:
     return stage_key("rm", {"rm": cfg.model_dump(mode="json", exclude=_NOT_IN_KEY), "model": model.identity(), "seed": seed},
-                     {"data": data.only("tokenizer", "pref_train.jsonl", "pref_eval.jsonl")}, code_version("tasks.rm", "tasks.sft.lora", "tasks.common"))
+                     {"data": data.only("tokenizer", "pref_train.jsonl", "pref_eval.jsonl")}, code_version(__name__))
 
 
 def train_reward_model(cfg: RewardConfig, model: ModelConfig, store: ArtifactStore, data: ArtifactRef, seed: int,
-                       *, force: bool = False) -> ArtifactRef:
+                       *, key: str | None = None, force: bool = False) -> ArtifactRef:
     """Train a sequence scorer on ``data``'s ``pref_train`` pairs and publish it; returns its ref.
 
-    An artifact already complete at the key is returned as it is.
+    ``key`` is the one the flow computed (``rm_key``); None computes it. An artifact already
+    complete at the key is returned as it is.
     """
     if data.kind != "dataset":
         raise ValueError(f"train_reward_model data {data.uri!r} is a {data.kind!r} artifact: pass the ref prepare_data returned (kind 'dataset')")
-    key = rm_key(cfg, model, data, seed)
+    key = key or rm_key(cfg, model, data, seed)
     if not force and store.is_good(key):  # a damaged artifact is rebuilt
         logger.info("rm: %s already published, reusing it", store.uri_of(key))
         return store.ref(key)
@@ -60,7 +61,7 @@ def train_reward_model(cfg: RewardConfig, model: ModelConfig, store: ArtifactSto
 def _check_inputs(cfg: RewardConfig, model: ModelConfig, store: ArtifactStore, data: ArtifactRef):
     loop.check_store_reachable("rm", cfg.num_workers, store)
     pick_device(cfg.device)
-    with open(store.fetch(data.key) / "pref_train.jsonl", "rb") as f:
+    with open(store.fetch(data) / "pref_train.jsonl", "rb") as f:
         n = sum(1 for line in f if line.strip())
     loop.check_batches("rm", n, cfg.batch_size, cfg.accumulation_steps, cfg.num_workers, "pref_train.jsonl")
     if cfg.lora_rank == 0:
@@ -72,7 +73,7 @@ def _fit(cfg, model_cfg, store, data, seed, key, targets) -> dict | None:
     """One rank's training run (the whole run with one process). Rank 0 returns the ref dict."""
     rank, world = loop.rank_world()
     device = pick_device(cfg.device)
-    data_dir = store.fetch(data.key)
+    data_dir = store.fetch(data)
     train, evals = read_jsonl(data_dir / "pref_train.jsonl"), read_jsonl(data_dir / "pref_eval.jsonl")
     pad_id = load_tokenizer(model_cfg, str(data_dir / "tokenizer")).pad_token_id
     spe = loop.steps_per_epoch(len(train), cfg.batch_size, cfg.accumulation_steps, world)

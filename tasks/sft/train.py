@@ -41,7 +41,7 @@ _NOT_IN_KEY = {"resume", "log_every"}
 
 def sft_key(cfg: SFTConfig, model: ModelConfig, data: ArtifactRef, seed: int) -> str:
     return stage_key("sft", {"sft": cfg.model_dump(mode="json", exclude=_NOT_IN_KEY), "model": model.identity(), "seed": seed},
-                     {"data": data.only("tokenizer", "sft_train.jsonl", "sft_eval.jsonl")}, code_version("tasks.sft", "tasks.common"))
+                     {"data": data.only("tokenizer", "sft_train.jsonl", "sft_eval.jsonl")}, code_version(__name__))
 
 
 def partial_key(key: str) -> str:
@@ -49,10 +49,11 @@ def partial_key(key: str) -> str:
 
 
 def train_sft(cfg: SFTConfig, model: ModelConfig, store: ArtifactStore, data: ArtifactRef, seed: int,
-              *, stop_after: int | None = None, force: bool = False) -> ArtifactRef:
+              *, key: str | None = None, stop_after: int | None = None, force: bool = False) -> ArtifactRef:
     """Train a LoRA adapter on ``data``'s ``sft_train`` split and publish it; returns its ref.
 
-    An artifact already complete at the key is returned as it is. ``stop_after`` ends the run
+    ``key`` is the one the flow computed (``sft_key``); None computes it. An artifact already
+    complete at the key is returned as it is. ``stop_after`` ends the run
     after that many optimizer steps (counted from step 0) as a preempted job would: the
     checkpoint is written and its ref (kind ``sft_checkpoint``) returned instead of the final
     adapter; the next call with ``resume`` continues from it. The schedule still spans the full
@@ -60,7 +61,7 @@ def train_sft(cfg: SFTConfig, model: ModelConfig, store: ArtifactStore, data: Ar
     """
     if data.kind != "dataset":
         raise ValueError(f"train_sft data {data.uri!r} is a {data.kind!r} artifact: pass the ref prepare_data returned (kind 'dataset')")
-    key = sft_key(cfg, model, data, seed)
+    key = key or sft_key(cfg, model, data, seed)
     if not force and store.is_good(key):  # a damaged artifact is rebuilt
         logger.info("sft: %s already published, reusing it", store.uri_of(key))
         return store.ref(key)
@@ -79,7 +80,7 @@ def _check_inputs(cfg: SFTConfig, model: ModelConfig, store: ArtifactStore, data
     """Every config/data error before a weight is loaded; returns the resolved LoRA targets."""
     loop.check_store_reachable("sft", cfg.num_workers, store)
     pick_device(cfg.device)
-    with open(store.fetch(data.key) / "sft_train.jsonl", "rb") as f:
+    with open(store.fetch(data) / "sft_train.jsonl", "rb") as f:
         n = sum(1 for line in f if line.strip())
     loop.check_batches("sft", n, cfg.batch_size, cfg.accumulation_steps, cfg.num_workers, "sft_train.jsonl")
     return resolve_target_modules(cfg.target_modules, model_skeleton(model), builtin=model.is_builtin)
@@ -91,7 +92,7 @@ def _fit(cfg, model_cfg, store, data, seed, key, targets, stop_after) -> dict | 
 
     rank, world = loop.rank_world()
     device = pick_device(cfg.device)
-    data_dir = store.fetch(data.key)
+    data_dir = store.fetch(data)
     train, evals = read_jsonl(data_dir / "sft_train.jsonl"), read_jsonl(data_dir / "sft_eval.jsonl")
     pad_id = load_tokenizer(model_cfg, str(data_dir / "tokenizer")).pad_token_id
     spe = loop.steps_per_epoch(len(train), cfg.batch_size, cfg.accumulation_steps, world)
