@@ -102,13 +102,14 @@ class _LearnerMixin:
 class PolicyWorker(_LearnerMixin, DistributedWorker):
     """Actor: base model + SFT LoRA adapter (trainable); samples rollouts and learns with PPO."""
 
-    def load(self, model_cfg, store, sft_key: str, data_key: str, ppo: PPOConfig, pad_id: int, eos_id: int) -> None:
+    def load(self, model_cfg, store, sft_key: str, data_key: str, ppo: PPOConfig, pad_id: int, stop_ids: list[int]) -> None:
+        """``stop_ids``: every id that ends a response (``tasks.ppo.train.resolve_stop_ids``)."""
         from peft import PeftModel
 
         from tasks.common.model import load_causal_lm
         from tasks.data.dataset import read_jsonl
 
-        self.ppo, self.pad_id, self.eos_id = ppo, pad_id, eos_id
+        self.ppo, self.pad_id, self.stop_ids = ppo, pad_id, stop_ids
         base = load_causal_lm(model_cfg, self.device)
         peft = PeftModel.from_pretrained(base, str(store.fetch(sft_key) / "adapter"), is_trainable=True).eval()
         if wants_compile(ppo.compile, self.device):
@@ -136,7 +137,7 @@ class PolicyWorker(_LearnerMixin, DistributedWorker):
         batch = collate_prompts([{"prompt_ids": p} for p in prompts], self.pad_id)
         gen = self.sample_gen if seed is None else torch.Generator(self.device).manual_seed(seed + self.rank)
         ids, mask = batch["input_ids"].to(self.device), batch["attention_mask"].to(self.device)
-        kw = dict(max_new_tokens=self.ppo.max_new_tokens, eos_token_id=self.eos_id, pad_token_id=self.pad_id,
+        kw = dict(max_new_tokens=self.ppo.max_new_tokens, eos_token_id=self.stop_ids, pad_token_id=self.pad_id,
                   temperature=self.ppo.temperature, top_k=self.ppo.top_k, top_p=self.ppo.top_p,
                   generator=gen, greedy=greedy, all_finished=self.all_finished)
         if self.fast:
@@ -252,8 +253,9 @@ class RewardWorker(DistributedWorker):
 
     @torch.no_grad()
     def score(self, rollout) -> Tensor:
-        # the reward model reads the last non-pad token and takes positions from the mask,
-        # so left-padded rollouts score as the right-padded pairs it was trained on
+        # the reward model reads the last token of the attention mask — the first stop token, or
+        # the last one of a truncated response — and takes positions from the mask, so left-padded
+        # rollouts score as the right-padded pairs it was trained on (pad == eos changes nothing)
         with autocast(self.device):
             return self.model(rollout.sequences.to(self.device), rollout.attention_mask.to(self.device)).float().cpu()
 
