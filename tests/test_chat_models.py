@@ -327,6 +327,8 @@ def test_chat_model_through_data_sft_rm_and_ppo(chat, rlhf_cache, ray_cluster, t
     ro = generate(policy, batch["input_ids"], batch["attention_mask"], eos_token_id=resolve_stop_ids(ppo_cfg, cfg, tok), **kw)
     n = ro.action_mask.sum(1).long()
     last = ro.sequences[:, -ppo_cfg.max_new_tokens:].gather(1, (n - 1)[:, None]).squeeze(1)
+    print("greedy answer:", repr(tok.decode(ro.sequences[0, -ppo_cfg.max_new_tokens:][: int(n[0])])), "lengths", n.tolist())
     assert ro.ended_with_eos.float().mean() > 0.7 and (last[ro.ended_with_eos] == im_end).all()
+    assert n.float().mean() > 3  # an answer of words, then <|im_end|>
     old = generate(policy, batch["input_ids"], batch["attention_mask"], eos_token_id=eot, **kw)
     assert old.action_mask.sum(1).mean() > n.float().mean()
