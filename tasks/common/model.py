@@ -118,7 +118,8 @@ def turn_end_id(tok) -> int | None:
         return None
     if mark not in text:
         return None
-    after = tok(text[text.rindex(mark) + len(mark):], add_special_tokens=False)["input_ids"]
+    # lstrip: templates such as Llama 2's write "{{ content }} {{ eos_token }}"
+    after = tok(text[text.rindex(mark) + len(mark):].lstrip(), add_special_tokens=False)["input_ids"]
     special = set(tok.all_special_ids) | {i for i, t in tok.added_tokens_decoder.items() if t.special}
     return after[0] if after and after[0] in special else None
 
