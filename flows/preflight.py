@@ -75,15 +75,18 @@ def check_store(cfg: PipelineConfig) -> None:
 
 
 def check_tokenizer(cfg: PipelineConfig) -> None:
-    """The tokenizer loads and has a pad (or eos) token: cheap, and no weights are read."""
+    """The tokenizer loads and has a pad (or eos) token, and ``ppo.stop_token_ids`` /
+    ``ppo.stop_strings`` are tokens of it: cheap, and no weights are read."""
     from tasks.common.model import load_tokenizer
+    from tasks.ppo.train import resolve_stop_ids
 
     try:
-        load_tokenizer(cfg.model)
+        tok = load_tokenizer(cfg.model)
     except OSError as e:
         field = "model.tokenizer" if cfg.model.tokenizer else "model.pretrain"
         raise ConfigError(f"`{field}` ({cfg.model.tokenizer or cfg.model.pretrain!r}): no tokenizer could be loaded "
                           f"({type(e).__name__}: {str(e).splitlines()[0]}); point it at a folder or hub name with tokenizer files") from None
+    resolve_stop_ids(cfg.ppo, cfg.model, tok)
 
 
 def check_lora_targets(cfg: PipelineConfig) -> None:

@@ -308,7 +308,7 @@ def _actor(mode: str, stages, ppo, tok):
     ray.get(group.connect())
     w = group.workers[0]
     ray.get(w.load.remote(model, store, sft.key, data.key, ppo.model_copy(update={"fast_generate": mode}),
-                          tok.pad_token_id, tok.eos_token_id))
+                          tok.pad_token_id, [tok.eos_token_id]))
     return group, pg, w
 
 

@@ -24,7 +24,7 @@ from tasks.ppo.checkpoint import latest_checkpoint
 from tasks.ppo.config import PPOConfig
 from tasks.ppo.group import create_placement_groups
 from tasks.ppo.losses import FixedKLController
-from tasks.ppo.train import PPORun, PromptSampler, ppo_key, start_roles, stop_roles, train_ppo
+from tasks.ppo.train import PPORun, PromptSampler, ppo_key, resolve_stop_ids, start_roles, stop_roles, train_ppo
 from tasks.rm.config import RewardConfig
 from tasks.rm.train import train_reward_model
 from tasks.sft.config import SFTConfig
@@ -198,7 +198,7 @@ def test_two_ddp_workers_per_learner_stay_identical(stages):
         assert len({id(p) for p in pgs.values()}) == 1
         table = ray.util.placement_group_table(pgs["actor"])
         assert table["bundles"] == {0: {"CPU": 2.0}, 1: {"CPU": 1.0}}  # worker 0 of 4 roles; worker 1 of actor, critic
-        groups = start_roles(cfg, MODEL, store, data, sft, rm, SEED, tok, pgs)
+        groups = start_roles(cfg, MODEL, store, data, sft, rm, SEED, tok, pgs, resolve_stop_ids(cfg, MODEL, tok))
         digests = {r: ray.get([w.local_digest.remote() for w in groups[r].workers]) for r in ("actor", "critic")}
         run = PPORun(cfg, groups, tok, [], builtin=True)
         kl = FixedKLController(cfg.kl_coef)

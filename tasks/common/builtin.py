@@ -116,8 +116,13 @@ def _corpus() -> list[str]:
     return lines
 
 
-def build_tokenizer(vocab_size: int = 512):
-    """Byte-level BPE trained on the task's corpus, wrapped as a transformers fast tokenizer."""
+def build_tokenizer(vocab_size: int = 512, special: dict[str, str] = SPECIAL, extra_special: tuple[str, ...] = (),
+                    chat_template: str = CHAT_TEMPLATE):
+    """Byte-level BPE trained on the task's corpus, wrapped as a transformers fast tokenizer.
+
+    ``special``: the named special tokens (pad may be the eos token); ``extra_special``: more
+    special tokens (e.g. ChatML's ``<|im_start|>``, ``<|im_end|>``), each one id, never split.
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -125,12 +130,12 @@ def build_tokenizer(vocab_size: int = 512):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=list(SPECIAL.values()),
+        vocab_size=vocab_size, special_tokens=list(dict.fromkeys([*special.values(), *extra_special])),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
     )
     tok.train_from_iterator(_corpus(), trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIAL)
-    fast.chat_template = CHAT_TEMPLATE
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, extra_special_tokens=list(extra_special), **special)
+    fast.chat_template = chat_template
     fast.padding_side = "right"
     return fast
 

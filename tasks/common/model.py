@@ -101,6 +101,46 @@ def load_tokenizer(cfg: ModelConfig, path: str | None = None):
     return tok
 
 
+def turn_end_id(tok) -> int | None:
+    """The special token the chat template writes right after an assistant message's content:
+    ``<|im_end|>`` (ChatML), ``<|eot_id|>`` (Llama 3), ``<end_of_turn>`` (Gemma), or eos itself
+    (templates that end turns with ``eos_token``). None without a chat template, or when the
+    template writes plain text there. It is what a chat model emits to end its answer, so SFT
+    sequences end at it (``tasks.data.encode``) and PPO rollouts stop on it."""
+    from jinja2 import TemplateError
+
+    if not getattr(tok, "chat_template", None):
+        return None
+    mark = "Zq7TurnEndProbe"
+    try:
+        text = tok.apply_chat_template([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": mark}], tokenize=False)
+    except (TemplateError, ValueError):  # a template that refuses this conversation shape: no probe
+        return None
+    if mark not in text:
+        return None
+    # lstrip: templates such as Llama 2's write "{{ content }} {{ eos_token }}"
+    after = tok(text[text.rindex(mark) + len(mark):].lstrip(), add_special_tokens=False)["input_ids"]
+    special = set(tok.all_special_ids) | {i for i, t in tok.added_tokens_decoder.items() if t.special}
+    return after[0] if after and after[0] in special else None
+
+
+def model_stop_ids(cfg: ModelConfig, tok) -> list[int]:
+    """The ids that end a response of this model, first seen first: the tokenizer's eos,
+    ``generation_config.eos_token_id`` (an int or a list; instruct models list their turn end
+    there, e.g. Llama 3's ``<|eot_id|>``; read from generation_config.json, else config.json) and
+    the chat template's turn end (``turn_end_id``). Reads json files only, no weights."""
+    from transformers import AutoConfig, GenerationConfig
+
+    try:
+        listed = GenerationConfig.from_pretrained(cfg.path(), revision=cfg.revision).eos_token_id
+    except OSError:  # no generation_config.json: the model config's eos
+        config = AutoConfig.from_pretrained(cfg.path(), revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+        listed = getattr(config, "eos_token_id", None)
+    listed = listed if isinstance(listed, (list, tuple)) else [listed]
+    ids = [tok.eos_token_id, *listed, turn_end_id(tok)]
+    return list(dict.fromkeys(int(i) for i in ids if i is not None))
+
+
 def load_causal_lm(cfg: ModelConfig, device: str = "cpu", path: str | None = None):
     from transformers import AutoModelForCausalLM
 

@@ -1,11 +1,13 @@
 """Tokenization of each record shape (prompt/response, chat messages, preference pairs).
 
 Segments are encoded apart so the boundary between prompt and response is exact; chat records go
-through the tokenizer's chat template, with labels only on assistant turns.
+through the tokenizer's chat template, with labels only on assistant turns, and end at the
+template's turn-end token (``end_with_eos``).
 """
 
 from __future__ import annotations
 
+from tasks.common.model import turn_end_id
 from tasks.data.config import DataConfig
 from tasks.data.formats import DataError
 
@@ -29,6 +31,7 @@ class Encoder:
         with_sp, without = tok("x")["input_ids"], self.enc("x")
         # What the tokenizer puts in front of a text (BOS for llama, nothing for gpt2).
         self.prefix = with_sp[: len(with_sp) - len(without)] if with_sp[len(with_sp) - len(without):] == without else []
+        self.turn_end = turn_end_id(tok)  # <|im_end|>, <|eot_id|>, eos itself, or None
 
     def enc(self, text: str) -> list[int]:
         return self.tok(text, add_special_tokens=False)["input_ids"]
@@ -37,12 +40,20 @@ class Encoder:
         return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
     def end_with_eos(self, ids: list[int]) -> list[int]:
-        """Templates often write whitespace after EOS ("...<eos>\\n"): cut it; add EOS if absent."""
-        if self.eos in ids:
-            last = len(ids) - 1 - ids[::-1].index(self.eos)
-            if ids[last + 1:] and not self.tok.decode(ids[last + 1:]).strip():
-                ids = ids[: last + 1]
-        return ids if ids and ids[-1] == self.eos else ids + [self.eos]
+        """A rendered chat sequence, ending where the model stops at inference.
+
+        That is right after the template's turn-end token (``turn_end_id``: ``<|im_end|>``,
+        ``<|eot_id|>``, or EOS for templates that end turns with ``eos_token``) — not at
+        ``eos_token`` when the two differ. Whitespace the template writes after it
+        ("...<|im_end|>\\n") is cut, and no EOS is appended: PPO rollouts stop on the turn end
+        (it is one of their stop ids), so a token trained after it would never be generated.
+        A sequence ending in neither gets EOS appended.
+        """
+        ends = {self.eos, self.turn_end} - {None}
+        hits = [i for i, t in enumerate(ids) if t in ends]
+        if hits and ids[hits[-1] + 1:] and not self.tok.decode(ids[hits[-1] + 1:]).strip():
+            ids = ids[: hits[-1] + 1]
+        return ids if ids and ids[-1] in ends else ids + [self.eos]
 
     def prompt_ids(self, prompt: str, verbatim: bool = False) -> list[int]:
         """Verbatim text already holds its role markers (an HH transcript): no template around it."""

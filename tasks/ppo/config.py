@@ -51,7 +51,7 @@ class PPOConfig(BaseModel):
     gamma: float = Field(1.0, ge=0.0, le=1.0, description="Discount of GAE.")
     lam: float = Field(0.95, ge=0.0, le=1.0, description="GAE lambda (1.0 with gamma 1.0 gives the seed's reward - value).")
     whiten_advantages: bool = Field(True, description="Whiten advantages over the rollout batch.")
-    missing_eos_penalty: float | None = Field(None, ge=0.0, description="Subtract this from the score of responses that never emit EOS; None: off.")
+    missing_eos_penalty: float | None = Field(None, ge=0.0, description="Subtract this from the score of responses that end without a stop token (truncated at max_new_tokens); None: off.")
     ptx_coef: float = Field(0.0, ge=0.0, description="Weight of the pretraining (ptx) LM loss on ptx_train (seed 0.9; off here: the built-in ptx text has random sentiment).")
     ptx_batch_size: int = Field(8, gt=0, description="ptx sequences per optimizer step per actor worker.")
 
@@ -67,6 +67,8 @@ class PPOConfig(BaseModel):
     temperature: float = Field(1.0, gt=0.0, description="Sampling temperature (log-probs use the same).")
     top_k: int = Field(0, ge=0, description="Top-k sampling (0: off; seed 50). Off by default so the KL estimate is of the policy itself.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling (1.0: off).")
+    stop_token_ids: list[int] = Field(default_factory=list, description="Token ids that also end a response, besides the model's own stop ids (always on: the tokenizer's eos, generation_config.eos_token_id, which may be a list, and the chat template's turn-end token such as <|im_end|>). The response's score is read at its first stop token.")
+    stop_strings: list[str] = Field(default_factory=list, description="Strings that also end a response; each must be a single token of the tokenizer (e.g. '<|eot_id|>'), checked before any model loads.")
     fast_generate: Literal["auto", "on", "off"] = Field("auto", description="Rollouts with tasks/ppo/fast_generate.py (static KV cache; CUDA graphs on CUDA): 'auto' = on for CUDA actors of a Llama-family model with strategy 'ddp', 'on' = also on CPU (eager) and an error where it cannot apply, 'off' = the plain loop of tasks/ppo/generation.py.")
 
     compile: Literal["auto", "on", "off"] = Field("auto", description="torch.compile each transformer block of the learners (actor, critic): fuses the norms, RoPE, activations and casts around the matmuls. 'auto' = on for CUDA roles (the first iteration pays ~1 min of compilation), 'on' = also on CPU, 'off' = eager.")
@@ -99,6 +101,10 @@ class PPOConfig(BaseModel):
                 f"ppo.fast_generate 'on' needs every actor rank to hold full parameters, but ppo.strategy "
                 f"{self.strategy!r} shards them: use ppo.strategy 'ddp', or ppo.fast_generate 'auto' / 'off'"
             )
+        if any(i < 0 for i in self.stop_token_ids):
+            raise ValueError(f"ppo.stop_token_ids {self.stop_token_ids}: token ids are >= 0; drop the negative ones")
+        if any(not s for s in self.stop_strings):
+            raise ValueError(f"ppo.stop_strings {self.stop_strings}: an empty string can never be generated; drop it")
         if self.device == "cuda" and not any(getattr(self, r).gpus_per_worker for r in ROLES):
             raise ValueError("ppo.device 'cuda' but every role has gpus_per_worker 0: give roles GPUs (e.g. 0.25 each with colocate) or use device 'auto'")
         return self

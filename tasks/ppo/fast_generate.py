@@ -12,8 +12,8 @@ Here a decode step is three parts, all captured together in one ``torch.cuda.CUD
 2. sampling with ``generation.sample_next`` (temperature, top-k, top-p, the exponential race
    that ``torch.multinomial`` uses) on a generator registered with the graph, so a seeded rollout
    draws the same numbers as the plain loop;
-3. bookkeeping on device: pad after EOS, the per-row finished mask, response and action-mask
-   columns, next position and column.
+3. bookkeeping on device: pad after the stop token (any of the stop ids), the per-row finished
+   mask, response and action-mask columns, next position and column.
 
 The host asks "has every row finished?" only every ``check_every`` steps (one sync); the tokens
 do not depend on it, only how many wasted steps follow the last EOS.
@@ -37,13 +37,13 @@ sharded parameters (FSDP / ZeRO-3), sliding windows, DoRA, LoRA on the embedding
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from tasks.ppo.generation import Rollout, _unwrap, position_ids_from_mask, sample_next
+from tasks.ppo.generation import Rollout, _unwrap, position_ids_from_mask, sample_next, stop_ids
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -250,7 +250,8 @@ class FastGenerator:
         B, L, long = self.max_batch, self.max_len, dict(dtype=torch.long, device=self.device)
         self._tok, self._pos = torch.zeros(B, **long), torch.zeros(B, **long)
         self._col, self._step = torch.zeros(1, **long), torch.zeros(1, **long)
-        self._eos, self._pad = torch.zeros((), **long), torch.zeros((), **long)
+        # stop ids, -1 in unused slots (never a token); a longer list gets a new buffer and new graphs
+        self._stop, self._pad = torch.full((8,), -1, **long), torch.zeros((), **long)
         self._bias = torch.zeros(B, 1, 1, L, **kw)  # 0 where a row may attend, dtype's min elsewhere
         self._finished = torch.zeros(B, dtype=torch.bool, device=self.device)
         self._resp, self._act = torch.zeros(B, L, **long), torch.zeros(B, L, **long)
@@ -339,13 +340,13 @@ class FastGenerator:
         return self._forward(input_ids, position_ids_from_mask(attn), cols, mask[:, None], _layer)
 
     def _emit(self, b: int, token: Tensor) -> None:
-        """Record the sampled ``token`` (b,) as response column ``_step``: pad after EOS, action
-        mask, finished flags; it is the next step's input."""
+        """Record the sampled ``token`` (b,) as response column ``_step``: pad after a stop token,
+        action mask, finished flags; it is the next step's input."""
         fin = self._finished[:b]
         token = torch.where(fin, self._pad, token)
         self._resp[:b].index_copy_(1, self._step, token[:, None])
         self._act[:b].index_copy_(1, self._step, (~fin).long()[:, None])
-        fin |= token == self._eos
+        fin |= (token[:, None] == self._stop).any(-1)
         self._tok[:b].copy_(token)
         self._step += 1
 
@@ -357,6 +358,13 @@ class FastGenerator:
         self._emit(b, sample(logits))
         self._pos[:b] += 1
         self._col += 1
+
+    def _set_stops(self, ids: list[int]) -> None:
+        if len(ids) > self._stop.numel():  # the graphs read the old buffer's address
+            self._stop = torch.full((len(ids),), -1, dtype=torch.long, device=self.device)
+            self._graphs.clear()
+        self._stop.fill_(-1)
+        self._stop[: len(ids)] = torch.tensor(ids, dtype=torch.long)
 
     def _reset(self, b: int, attn: Tensor | None = None, pad: int = 0) -> None:
         """State for a new rollout of ``b`` rows (prompt attention mask ``attn``, (b, P))."""
@@ -392,7 +400,7 @@ class FastGenerator:
 
     @torch.no_grad()
     def generate(
-        self, input_ids: Tensor, attention_mask: Tensor, *, max_new_tokens: int, eos_token_id: int,
+        self, input_ids: Tensor, attention_mask: Tensor, *, max_new_tokens: int, eos_token_id: int | Sequence[int],
         pad_token_id: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
         generator: torch.Generator | None = None, greedy: bool = False,
         all_finished: Callable[[bool], bool] | None = None,
@@ -412,7 +420,7 @@ class FastGenerator:
             )
         attn = attention_mask.long()
         self.refresh_weights()
-        self._eos.fill_(eos_token_id)
+        self._set_stops(stop_ids(eos_token_id))
         self._pad.fill_(pad_token_id)
         graph, source, rng = None, generator, generator
         if self.use_cuda_graph:
@@ -444,7 +452,7 @@ class FastGenerator:
             sequences=torch.cat([input_ids, responses], dim=1),
             attention_mask=torch.cat([attn, act], dim=1),
             action_mask=act.float(),
-            ended_with_eos=(responses == eos_token_id).any(-1),
+            ended_with_eos=self._finished[:b].clone(),
         )
 
     def info(self) -> dict:

@@ -1,7 +1,7 @@
 """Sampling responses from a causal LM and scoring them token by token, for PPO rollouts.
 
 A plain decode loop instead of ``model.generate`` because PPO needs three things generate does
-not give: an action mask that stops at the first EOS, a fixed number of columns on every rank,
+not give: an action mask that stops at the first stop token, a fixed number of columns on every rank,
 and the same number of forward steps on every rank of a sharded group (``all_finished``), so
 that FSDP / ZeRO collectives inside ``forward`` never wait for a rank that already stopped.
 
@@ -9,12 +9,18 @@ Prompts are LEFT-padded: (B, P) ids with an attention mask. Position ids come fr
 (``cumsum - 1``), so a row's positions do not depend on how much padding it got, and the same
 rule is used in ``action_logprobs``, so the log-probs recomputed for learning match the ones the
 sampler saw.
+
+Stop tokens: ``eos_token_id`` is one id or a list of them, as in Hugging Face's ``generate``
+(chat models end a turn with ``<|im_end|>`` or ``<|eot_id|>`` as well as ``eos_token``); a row
+finishes at the first of any. "EOS" below means any stop id. Whether a row finished comes from
+the sampled tokens, never from comparing ids to ``pad_token_id``, which may itself be a stop id
+(``pad_token == eos_token`` tokenizers).
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 from torch import Tensor
@@ -23,10 +29,15 @@ from tasks.ppo.losses import entropy_from_logits, logprobs_from_logits
 
 
 class Rollout(NamedTuple):
-    sequences: Tensor       # (B, P + N) long: prompt (left-padded) + response (pad after EOS / stop)
+    sequences: Tensor       # (B, P + N) long: prompt (left-padded) + response (pad after the stop token)
     attention_mask: Tensor  # (B, P + N) long: 1 on real prompt tokens and on actions
-    action_mask: Tensor     # (B, N) float: 1 on generated tokens up to and including the first EOS
-    ended_with_eos: Tensor  # (B,) bool: the response contains EOS (False: truncated at N tokens)
+    action_mask: Tensor     # (B, N) float: 1 on generated tokens up to and including the first stop token
+    ended_with_eos: Tensor  # (B,) bool: the response ended with a stop token (False: truncated at N tokens)
+
+
+def stop_ids(eos_token_id: int | Sequence[int]) -> list[int]:
+    """``eos_token_id`` (one id or several) as a list of ints."""
+    return [int(eos_token_id)] if isinstance(eos_token_id, int) else [int(i) for i in eos_token_id]
 
 
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
@@ -87,15 +98,15 @@ def _cache_kwarg(model) -> str:
 
 @torch.no_grad()
 def generate(
-    model, input_ids: Tensor, attention_mask: Tensor, *, max_new_tokens: int, eos_token_id: int,
+    model, input_ids: Tensor, attention_mask: Tensor, *, max_new_tokens: int, eos_token_id: int | Sequence[int],
     pad_token_id: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
     generator: torch.Generator | None = None, greedy: bool = False,
     all_finished: Callable[[bool], bool] | None = None,
 ) -> Rollout:
     """Sample up to ``max_new_tokens`` (N) tokens per row with the model's KV cache.
 
-    input_ids, attention_mask: (B, P), LEFT-padded. Finished rows (EOS emitted) emit
-    ``pad_token_id`` with attention 0. Stops when every row is finished — as decided by
+    input_ids, attention_mask: (B, P), LEFT-padded. ``eos_token_id``: the stop id(s). Finished
+    rows (a stop id emitted) emit ``pad_token_id`` with attention 0. Stops when every row is finished — as decided by
     ``all_finished(local_done) -> bool`` when given (e.g. an all_reduce over the group), so all
     ranks run the same number of forwards. The result always has N response columns.
     The model runs in eval mode (no dropout while sampling) and its mode is restored after.
@@ -109,6 +120,7 @@ def generate(
     responses = torch.full((B, N), pad_token_id, dtype=torch.long, device=device)
     resp_attn = torch.zeros((B, N), dtype=torch.long, device=device)
     finished = torch.zeros(B, dtype=torch.bool, device=device)
+    stops = torch.tensor(stop_ids(eos_token_id), dtype=torch.long, device=device)
     config = getattr(_unwrap(model), "config", None)
     cache = DynamicCache(config=config) if config is not None else DynamicCache()
     cache_kw = _cache_kwarg(model)
@@ -127,7 +139,7 @@ def generate(
                 token = torch.where(finished, torch.full_like(token, pad_token_id), token)
                 responses[:, step] = token
                 resp_attn[:, step] = (~finished).long()
-                finished = finished | (token == eos_token_id)
+                finished = finished | torch.isin(token, stops)
                 if step == N - 1:
                     break
                 done = bool(finished.all())
@@ -146,7 +158,7 @@ def generate(
         sequences=torch.cat([input_ids, responses], dim=1),
         attention_mask=torch.cat([attn, resp_attn], dim=1),
         action_mask=resp_attn.float(),
-        ended_with_eos=(responses == eos_token_id).any(-1),
+        ended_with_eos=finished,
     )
 
 

@@ -2,7 +2,7 @@
 KL-coefficient controllers. Pure torch, no distributed code: callers reduce the returned stats.
 
 Shapes: ``B`` rows (sequences), ``T`` action (response) tokens. Every ``mask`` is ``(B, T)``,
-float or bool, 1 on real action tokens (generated tokens up to and including the first EOS).
+float or bool, 1 on real action tokens (generated tokens up to and including the first stop token).
 Values under mask 0 never reach an output: they are selected away with ``torch.where`` rather
 than multiplied by 0, so a NaN or inf in padding cannot leak in.
 """
@@ -88,7 +88,7 @@ def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
 # ----------------------------------------------------------------------------- rewards
 
 def apply_missing_eos_penalty(score: Tensor, ended_with_eos: Tensor, penalty: float) -> Tensor:
-    """``score - penalty`` on rows that never produced EOS (truncated), unchanged elsewhere.
+    """``score - penalty`` on rows that ended without a stop token (truncated), unchanged elsewhere.
 
     score: (B,) float; ended_with_eos: (B,) bool. Returns (B,). ``penalty`` >= 0 lowers the score.
     """
@@ -108,8 +108,8 @@ def token_rewards(score: Tensor, kl: Tensor, action_mask: Tensor, kl_coef: float
 
     score: (B,) sequence score (reward model, after any missing-EOS penalty); kl: (B, T) per-token
     KL estimate (e.g. ``kl_k1``); action_mask: (B, T). Returns (B, T), 0 where the mask is 0.
-    The score lands on the last action token: the EOS, or the last generated token when the
-    response was truncated. A row with no action token gets no score.
+    The score lands on the last action token: the first stop token, or the last generated token
+    when the response was truncated — found from the mask, never by comparing ids to a pad id. A row with no action token gets no score.
     """
     m = _bool(action_mask)
     r = torch.where(m, -kl_coef * kl, torch.zeros((), dtype=kl.dtype, device=kl.device))

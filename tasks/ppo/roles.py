@@ -26,6 +26,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from storage.store import ArtifactRef
 from tasks.common.loop import autocast
 from tasks.ppo.config import PPOConfig
 from tasks.ppo.fast_generate import fast_generate_applies
@@ -102,15 +103,16 @@ class _LearnerMixin:
 class PolicyWorker(_LearnerMixin, DistributedWorker):
     """Actor: base model + SFT LoRA adapter (trainable); samples rollouts and learns with PPO."""
 
-    def load(self, model_cfg, store, sft_key: str, data_key: str, ppo: PPOConfig, pad_id: int, eos_id: int) -> None:
+    def load(self, model_cfg, store, sft: ArtifactRef, data: ArtifactRef, ppo: PPOConfig, pad_id: int, stop_ids: list[int]) -> None:
+        """``stop_ids``: every id that ends a response (``tasks.ppo.train.resolve_stop_ids``)."""
         from peft import PeftModel
 
         from tasks.common.model import load_causal_lm
         from tasks.data.dataset import read_jsonl
 
-        self.ppo, self.pad_id, self.eos_id = ppo, pad_id, eos_id
+        self.ppo, self.pad_id, self.stop_ids = ppo, pad_id, stop_ids
         base = load_causal_lm(model_cfg, self.device)
-        peft = PeftModel.from_pretrained(base, str(store.fetch(sft_key) / "adapter"), is_trainable=True).eval()
+        peft = PeftModel.from_pretrained(base, str(store.fetch(sft) / "adapter"), is_trainable=True).eval()
         if wants_compile(ppo.compile, self.device):
             compile_blocks(peft)
         self.model, self.optim, self.infer_model = wrap_learner(peft, ppo.actor_lr, self.strategy, self.device)
@@ -119,7 +121,7 @@ class PolicyWorker(_LearnerMixin, DistributedWorker):
         # sampling draws on the device the logits are on (torch.multinomial needs a generator there)
         self.sample_gen = torch.Generator(self.device).manual_seed(self.seed * 7919 + self.rank)
         self.learn_gen = torch.Generator().manual_seed(self.seed * 7919 + 101 + self.rank)
-        self.ptx = read_jsonl(store.fetch(data_key) / "ptx_train.jsonl") if ppo.ptx_coef > 0 else []
+        self.ptx = read_jsonl(store.fetch(data) / "ptx_train.jsonl") if ppo.ptx_coef > 0 else []
         self.fast = fast_generate_applies(ppo.fast_generate, self.strategy, self.device, base.config)
         self.fast_gen = None  # built at the first rollout, sized to it
 
@@ -136,7 +138,7 @@ class PolicyWorker(_LearnerMixin, DistributedWorker):
         batch = collate_prompts([{"prompt_ids": p} for p in prompts], self.pad_id)
         gen = self.sample_gen if seed is None else torch.Generator(self.device).manual_seed(seed + self.rank)
         ids, mask = batch["input_ids"].to(self.device), batch["attention_mask"].to(self.device)
-        kw = dict(max_new_tokens=self.ppo.max_new_tokens, eos_token_id=self.eos_id, pad_token_id=self.pad_id,
+        kw = dict(max_new_tokens=self.ppo.max_new_tokens, eos_token_id=self.stop_ids, pad_token_id=self.pad_id,
                   temperature=self.ppo.temperature, top_k=self.ppo.top_k, top_p=self.ppo.top_p,
                   generator=gen, greedy=greedy, all_finished=self.all_finished)
         if self.fast:
@@ -224,14 +226,14 @@ class PolicyWorker(_LearnerMixin, DistributedWorker):
 class ReferenceWorker(DistributedWorker):
     """Initial policy: base + the same SFT adapter, frozen; log-probs for the KL penalty."""
 
-    def load(self, model_cfg, store, sft_key: str, ppo: PPOConfig) -> None:
+    def load(self, model_cfg, store, sft: ArtifactRef, ppo: PPOConfig) -> None:
         from peft import PeftModel
 
         from tasks.common.model import load_causal_lm
 
         self.ppo = ppo
         base = load_causal_lm(model_cfg, self.device)
-        self.model = PeftModel.from_pretrained(base, str(store.fetch(sft_key) / "adapter")).eval().requires_grad_(False)
+        self.model = PeftModel.from_pretrained(base, str(store.fetch(sft) / "adapter")).eval().requires_grad_(False)
 
     @torch.no_grad()
     def logprobs(self, rollout) -> Tensor:
@@ -245,15 +247,16 @@ class ReferenceWorker(DistributedWorker):
 class RewardWorker(DistributedWorker):
     """Frozen reward model: one score per sequence."""
 
-    def load(self, store, rm_key: str) -> None:
+    def load(self, store, rm: ArtifactRef) -> None:
         from tasks.rm.model import load_reward_model
 
-        self.model = load_reward_model(str(store.fetch(rm_key)), device=self.device).eval().requires_grad_(False)
+        self.model = load_reward_model(str(store.fetch(rm)), device=self.device).eval().requires_grad_(False)
 
     @torch.no_grad()
     def score(self, rollout) -> Tensor:
-        # the reward model reads the last non-pad token and takes positions from the mask,
-        # so left-padded rollouts score as the right-padded pairs it was trained on
+        # the reward model reads the last token of the attention mask — the first stop token, or
+        # the last one of a truncated response — and takes positions from the mask, so left-padded
+        # rollouts score as the right-padded pairs it was trained on (pad == eos changes nothing)
         with autocast(self.device):
             return self.model(rollout.sequences.to(self.device), rollout.attention_mask.to(self.device)).float().cpu()
 
@@ -273,11 +276,11 @@ class _Values(torch.nn.Module):
 class CriticWorker(_LearnerMixin, DistributedWorker):
     """Value model initialised from the reward model (full parameters); learns the returns."""
 
-    def load(self, store, rm_key: str, ppo: PPOConfig) -> None:
+    def load(self, store, rm: ArtifactRef, ppo: PPOConfig) -> None:
         from tasks.rm.model import load_reward_model
 
         self.ppo = ppo
-        rm = load_reward_model(str(store.fetch(rm_key)), device=self.device).eval()
+        rm = load_reward_model(str(store.fetch(rm)), device=self.device).eval()
         rm.requires_grad_(True)
         if wants_compile(ppo.compile, self.device):
             compile_blocks(rm)

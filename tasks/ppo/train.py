@@ -19,7 +19,7 @@ import torch
 from storage.keys import code_version, stage_key
 from storage.store import ArtifactRef, ArtifactStore
 from tasks.common.builtin import score_response
-from tasks.common.model import ModelConfig, check_model_exists, load_tokenizer
+from tasks.common.model import ModelConfig, check_model_exists, load_tokenizer, model_stop_ids
 from tasks.data.dataset import read_jsonl
 from tasks.ppo.checkpoint import latest_checkpoint, load_checkpoint, publish_final, save_checkpoint
 from tasks.ppo.config import LEARNERS, ROLES, PPOConfig
@@ -56,6 +56,28 @@ def check_ppo(cfg: PPOConfig) -> None:
                 f"ppo.strategy {cfg.strategy!r} needs CUDA (ColossalAI's LowLevelZero and Gemini plugins do not run on "
                 "CPU): give ppo.actor and ppo.critic gpus_per_worker > 0, or use ppo.strategy 'ddp' / 'fsdp' on CPU"
             )
+
+
+def resolve_stop_ids(cfg: PPOConfig, model: ModelConfig, tok) -> list[int]:
+    """Every token id that ends a rollout: the model's own (``model_stop_ids``: eos,
+    generation_config's eos ids, the chat template's turn end), then ``ppo.stop_token_ids`` and the
+    id of each ``ppo.stop_strings`` entry. A value the tokenizer cannot use is a ValueError that
+    names it; only tokenizer and config files are read."""
+    vocab = len(tok)
+    bad = [i for i in cfg.stop_token_ids if i >= vocab]
+    if bad:
+        raise ValueError(f"ppo.stop_token_ids {cfg.stop_token_ids}: {bad} not in the tokenizer's vocabulary (ids 0..{vocab - 1}); "
+                         "use ids of that tokenizer, or give the token as text in ppo.stop_strings")
+    ids = list(cfg.stop_token_ids)
+    for text in cfg.stop_strings:
+        enc = tok(text, add_special_tokens=False)["input_ids"]
+        if len(enc) != 1:
+            raise ValueError(f"ppo.stop_strings entry {text!r} is {len(enc)} tokens {enc} "
+                             f"({[tok.decode([i]) for i in enc]}), not one: a stop string must be a single token of the "
+                             "tokenizer (a special token such as '<|im_end|>'); put the ids in ppo.stop_token_ids "
+                             "if one of them ends a response, or drop the entry")
+        ids += enc
+    return list(dict.fromkeys(model_stop_ids(model, tok) + ids))
 
 
 class PromptSampler:
@@ -101,6 +123,7 @@ def train_ppo(cfg: PPOConfig, model: ModelConfig, store: ArtifactStore, data: Ar
     check_fast_generate(cfg.fast_generate, cfg.strategy, model)
     data_dir = store.fetch(data)
     tokenizer = load_tokenizer(model, str(data_dir / "tokenizer"))
+    stop_ids = resolve_stop_ids(cfg, model, tokenizer)
     prompts = [r["prompt_ids"] for r in read_jsonl(data_dir / "prompts_train.jsonl")]
     evals = [r["prompt_ids"] for r in read_jsonl(data_dir / "prompts_eval.jsonl")][: cfg.eval_prompts]
     if len(evals) < cfg.actor.num_workers:
@@ -116,7 +139,7 @@ def train_ppo(cfg: PPOConfig, model: ModelConfig, store: ArtifactStore, data: Ar
     config = {"ppo": cfg.model_dump(mode="json"), "model": model.identity(), "seed": seed}
     pgs, groups = create_placement_groups(cfg), {}
     try:
-        groups = start_roles(cfg, model, store, data, sft, rm, seed, tokenizer, pgs)
+        groups = start_roles(cfg, model, store, data, sft, rm, seed, tokenizer, pgs, stop_ids)
         run = PPORun(cfg, groups, tokenizer, evals, model.is_builtin)
         sampler = PromptSampler(len(prompts), seed)
         kl_ctl = _kl_controller(cfg)
@@ -158,7 +181,7 @@ def _kl_controller(cfg: PPOConfig):
     return FixedKLController(cfg.kl_coef)
 
 
-def start_roles(cfg, model, store, data, sft, rm, seed, tokenizer, pgs) -> dict[str, RoleGroup]:
+def start_roles(cfg, model, store, data, sft, rm, seed, tokenizer, pgs, stop_ids: list[int]) -> dict[str, RoleGroup]:
     import ray
 
     from tasks.ppo.roles import CriticWorker, PolicyWorker, ReferenceWorker, RewardWorker
@@ -166,9 +189,8 @@ def start_roles(cfg, model, store, data, sft, rm, seed, tokenizer, pgs) -> dict[
     classes = {"actor": PolicyWorker, "critic": CriticWorker, "initial": ReferenceWorker, "reward": RewardWorker}
     groups = {r: RoleGroup(r, classes[r], cfg.role(r), pgs[r], cfg.strategy, seed, role_device(cfg, r)) for r in ROLES}
     ray.get([ref for g in groups.values() for ref in g.connect()])
-    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
     # refs, not keys: every worker's fetch checks that the store holds the content PPO was keyed on
-    loads = [w.load.remote(model, store, sft, data, cfg, pad, eos) for w in groups["actor"].workers]
+    loads = [w.load.remote(model, store, sft, data, cfg, tokenizer.pad_token_id, stop_ids) for w in groups["actor"].workers]
     loads += [w.load.remote(model, store, sft, cfg) for w in groups["initial"].workers]
     loads += [w.load.remote(store, rm) for w in groups["reward"].workers]
     loads += [w.load.remote(store, rm, cfg) for w in groups["critic"].workers]

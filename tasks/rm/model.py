@@ -1,7 +1,9 @@
 """The reward model: a transformer body + a scalar value head, and its artifact format.
 
-``RewardModel.forward`` scores a sequence at its last non-pad token; ``values`` gives the head's
-output at every token, which the PPO critic (initialised from the reward model) uses. The
+``RewardModel.forward`` scores a sequence at its last attended token (the last 1 of its
+attention mask: a response's EOS or turn-end token, a rollout's first stop token), found from the
+mask, never by comparing ids to ``pad_token_id`` (which may equal ``eos_token_id``); ``values``
+gives the head's output at every token, which the PPO critic (initialised from the reward model) uses. The
 artifact is ``model.safetensors`` (the full state dict, LoRA merged) + ``config.json`` (the
 body's config plus a ``reward_head`` entry) + ``tokenizer/``; ``load_reward_model`` rebuilds it
 in one call without pickle.
@@ -59,7 +61,7 @@ class RewardModel(nn.Module):
         return self.head(hidden.to(self.head.weight.dtype)).squeeze(-1)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """(B, T) ids and 0/1 mask -> (B,) score read at each row's last non-pad token."""
+        """(B, T) ids and 0/1 mask -> (B,) score read at each row's last attended token."""
         if not bool((attention_mask.sum(-1) > 0).all()):
             raise ValueError("RewardModel: a row of attention_mask is all padding; every sequence needs a token to score")
         idx = last_token_index(attention_mask)
@@ -97,7 +99,7 @@ def save_reward_model(model: RewardModel, out: str | Path, tokenizer_dir: str | 
     save_file({k: v.detach().cpu().contiguous().clone() for k, v in state.items()}, str(out / "model.safetensors"))
     config = body.config.to_dict()
     config["reward_head"] = {"format": HEAD_FORMAT, "class": "tasks.rm.model.RewardModel", "hidden_size": body.config.hidden_size,
-                             "score_at": "last_non_pad_token", **(extra or {})}
+                             "score_at": "last_attended_token", **(extra or {})}
     (out / "config.json").write_text(json.dumps(config, indent=1, sort_keys=True, default=str))
     if tokenizer_dir is not None:
         shutil.copytree(tokenizer_dir, out / "tokenizer")
