@@ -60,6 +60,9 @@ class RayNodes:
         self.env = {k: v for k, v in (env or os.environ).items() if k not in ("RAY_ADDRESS", "PYTHONPATH")}
         self.env.update(RAY_TMPDIR=str(self.tmp), RAY_USAGE_STATS_ENABLED="0")
         self.nodes: dict[str, int] = {}
+        self._killed: list[int] = []
+        self.driver_cwd = self.tmp / "driver"  # a folder for drivers outside any checkout
+        self.driver_cwd.mkdir()
         self.worker_cpus, self.head_cpus = worker_cpus, head_cpus
 
     def _start(self, name: str, cpus: float, *head_args: str) -> None:
@@ -86,7 +89,9 @@ class RayNodes:
 
     def kill_node(self, name: str, sig: int = signal.SIGKILL) -> list[int]:
         """Every process of one node (raylet, agents, its workers), as a crashed machine would go."""
-        pids = session_pids(self.nodes.pop(name))
+        sid = self.nodes.pop(name)
+        self._killed.append(sid)
+        pids = session_pids(sid)
         for pid in pids:
             try:
                 os.kill(pid, sig)
@@ -98,16 +103,10 @@ class RayNodes:
         return next(n for n, sid in self.nodes.items() if sid == session_of(pid))
 
     def stop(self) -> None:
-        for name in sorted(self.nodes, key=lambda n: n == "head"):  # the head last
-            sid = self.nodes[name]
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                for pid in session_pids(sid):
-                    try:
-                        os.kill(pid, sig)
-                    except ProcessLookupError:
-                        pass
-                deadline = time.time() + 10
-                while session_pids(sid) and time.time() < deadline:
-                    time.sleep(0.2)
-        self.nodes.clear()
+        """SIGKILL every node's processes (a test cluster holds nothing to save), then its temp dir."""
+        for name in list(self.nodes):
+            self.kill_node(name)
+        deadline = time.time() + 20
+        while any(session_pids(sid) for sid in self._killed) and time.time() < deadline:
+            time.sleep(0.2)
         shutil.rmtree(self.tmp, ignore_errors=True)
