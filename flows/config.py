@@ -52,7 +52,7 @@ class StoreConfig(BaseModel):
 class RayConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    address: str | None = Field(None, description="Ray cluster address ('ray://host:10001', 'auto', host:port). None: $RAY_ADDRESS, else a local Ray started for the run.")
+    address: str | None = Field(None, description="Ray cluster address ('ray://host:10001', 'auto', host:port). None: $RAY_ADDRESS, else a private local Ray started for the run (a cluster running on this machine is used only with 'auto' or its address).")
     num_cpus: int | None = Field(None, gt=0, description="Logical CPUs of a local Ray (None: at least 8, so role actors fit on a laptop).")
     num_gpus: int | None = Field(None, ge=0, description="GPUs of a local Ray (None: what torch sees).")
     dashboard: bool = Field(False, description="Start the Ray dashboard of a local Ray (bound to dashboard_host).")

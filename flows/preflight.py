@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import os
 import socket
 import uuid
 from urllib.parse import urlparse
 
 from flows.config import ConfigError, PipelineConfig
+from flows.runtime import ray_address
 
 
 def check_ray_address(address: str | None) -> None:
-    """An address we would connect to must answer (a TCP connect, 5 s)."""
+    """An address we would connect to (``ray.address`` or $RAY_ADDRESS) must answer (a TCP connect, 5 s)."""
     if not address or address in ("auto", "local"):
         return
     url = urlparse(address if "://" in address else f"tcp://{address}")
@@ -26,8 +26,8 @@ def check_ray_address(address: str | None) -> None:
 
 def check_local_gpus(cfg: PipelineConfig) -> None:
     """A local Ray gets the GPUs torch sees: asking for more can never schedule."""
-    if cfg.ray.address or os.environ.get("RAY_ADDRESS"):
-        return  # the PPO stage checks the cluster's resources itself
+    if ray_address(cfg.ray) != "local":
+        return  # the PPO stage checks the cluster's resources and placement itself
     import torch
 
     have = cfg.ray.num_gpus if cfg.ray.num_gpus is not None else torch.cuda.device_count()
@@ -109,7 +109,7 @@ def preflight(cfg: PipelineConfig) -> None:
     from tasks.data.prepare import check_data
     from tasks.ppo.train import check_ppo
 
-    for fn in (lambda: check_store(cfg), lambda: check_ray_address(cfg.ray.address), lambda: check_local_gpus(cfg),
+    for fn in (lambda: check_store(cfg), lambda: check_ray_address(ray_address(cfg.ray)), lambda: check_local_gpus(cfg),
                lambda: check_ppo(cfg.ppo), lambda: check_model_exists(cfg.model), lambda: check_tokenizer(cfg),
                lambda: check_data(cfg.data, cfg.model), lambda: check_lora_targets(cfg)):
         try:

@@ -35,8 +35,8 @@ class PPOConfig(BaseModel):
     critic: RoleConfig = Field(default_factory=RoleConfig, description="Value model: learns.")
     initial: RoleConfig = Field(default_factory=RoleConfig, description="Frozen reference policy for the KL penalty.")
     reward: RoleConfig = Field(default_factory=RoleConfig, description="Frozen reward model.")
-    placement: Literal["PACK", "SPREAD", "STRICT_SPREAD", "STRICT_PACK"] = Field("PACK", description="Ray placement-group strategy of each role's bundles (seed: STRICT_SPREAD across nodes).")
-    colocate: bool = Field(False, description="Put all roles' bundles in one placement group (bundle i = worker i of every role) so they share GPUs (one-GPU machines).")
+    placement: Literal["PACK", "SPREAD", "STRICT_SPREAD", "STRICT_PACK"] = Field("PACK", description="Ray placement-group strategy across the bundles of all role workers (one placement group): PACK = as few nodes as possible, SPREAD = as many as possible, STRICT_SPREAD = every worker on its own node, STRICT_PACK = all on one node.")
+    colocate: bool = Field(False, description="Bundle i holds worker i of every role, so those share a node and its GPUs (one-GPU machines).")
 
     # -- the PPO loop
     num_iterations: int = Field(30, gt=0, description="Rollout + learn iterations.")

@@ -1,8 +1,8 @@
 """Where the PPO roles run and how their learners shard.
 
-A ``RoleGroup`` is one role's Ray actors: a placement group with one bundle per worker (or, with
-``ppo.colocate``, one placement group shared by all roles, bundle i holding worker i of every
-role), and a torch.distributed group among them (rank 0 publishes MASTER_ADDR/PORT, the others
+A ``RoleGroup`` is one role's Ray actors, each on its bundle of the one placement group of all
+roles (one bundle per worker; with ``ppo.colocate``, bundle i holds worker i of every role), and
+a torch.distributed group among them (rank 0 publishes MASTER_ADDR/PORT, the others
 join; gloo on CPU, nccl on CUDA). Ray places, torch.distributed communicates, the strategy shards.
 
 The strategy helpers at the bottom run inside the workers: ``wrap_learner`` (DDP / FSDP2 /
@@ -53,45 +53,113 @@ def check_cluster(cfg: PPOConfig) -> None:
         )
 
 
-def create_placement_groups(cfg: PPOConfig) -> dict[str, Any]:
-    """role -> its placement group (the same one for every role with colocate); waits until placed."""
+def role_bundles(cfg: PPOConfig) -> tuple[list[dict[str, float]], dict[str, int], list[str]]:
+    """The one placement group of the PPO roles: (bundles, role -> index of its first bundle,
+    a label per bundle for errors).
+
+    Separate: one bundle per worker, role after role, so ``ppo.placement`` acts across all of
+    them (STRICT_SPREAD: every worker on its own node; STRICT_PACK: all on one node). Colocate:
+    bundle i holds worker i of every role that has one, so those share a node (and its GPUs).
+    """
+    if not cfg.colocate:
+        bundles, first, labels = [], {}, []
+        for r in ROLES:
+            rc = cfg.role(r)
+            first[r] = len(bundles)
+            bundles += placement_bundles(rc.num_workers, rc.cpus_per_worker, rc.gpus_per_worker)
+            labels += [f"{r} worker {i}" for i in range(rc.num_workers)]
+        return bundles, first, labels
+    bundles, labels = [], []
+    for i in range(max(cfg.role(r).num_workers for r in ROLES)):
+        roles = [r for r in ROLES if cfg.role(r).num_workers > i]
+        b = {"CPU": sum(cfg.role(r).cpus_per_worker for r in roles)}
+        if any(cfg.role(r).gpus_per_worker for r in roles):
+            b["GPU"] = sum(cfg.role(r).gpus_per_worker for r in roles)
+        bundles.append(b)
+        labels.append(f"worker {i} of {'+'.join(roles)}")
+    return bundles, {r: 0 for r in ROLES}, labels
+
+
+def _fits(bundle: dict[str, float], have: dict[str, float]) -> bool:
+    return all(have.get(k, 0.0) + 1e-9 >= v for k, v in bundle.items())
+
+
+def _fmt(res: dict[str, float]) -> str:
+    return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(res.items())) + "}"
+
+
+def unplaceable(bundles: list[dict[str, float]], labels: list[str], strategy: str,
+                nodes: dict[str, dict[str, float]]) -> str | None:
+    """Why ``bundles`` can never be placed on ``nodes`` (node -> total resources), or None.
+
+    Exact for a bundle larger than every node, STRICT_PACK (the sum on one node) and STRICT_SPREAD
+    (distinct nodes: a bipartite matching); PACK and SPREAD may still wait for resources in use.
+    """
+    for b, label in zip(bundles, labels):
+        if not any(_fits(b, have) for have in nodes.values()):
+            return f"bundle {label} {_fmt(b)} fits on no node"
+    if strategy == "STRICT_PACK":
+        total = {k: sum(b.get(k, 0.0) for b in bundles) for b in bundles for k in b}
+        if not any(_fits(total, have) for have in nodes.values()):
+            return f"STRICT_PACK needs {_fmt(total)} on one node"
+    if strategy == "STRICT_SPREAD":
+        owner: dict[str, int] = {}  # node -> bundle (Kuhn's augmenting paths)
+
+        def place(i: int, seen: set) -> bool:
+            for n, have in nodes.items():
+                if n not in seen and _fits(bundles[i], have):
+                    seen.add(n)
+                    if n not in owner or place(owner[n], seen):
+                        owner[n] = i
+                        return True
+            return False
+
+        for i, label in enumerate(labels):
+            if not place(i, set()):
+                return (f"STRICT_SPREAD puts each of the {len(bundles)} bundles on its own node and bundle {label} "
+                        f"{_fmt(bundles[i])} finds no node left")
+    return None
+
+
+def cluster_nodes() -> dict[str, dict[str, float]]:
+    """Alive nodes of the connected Ray cluster: 'ip (id prefix)' -> total CPU/GPU."""
+    import ray
+
+    return {f"{n['NodeManagerAddress']} ({n['NodeID'][:8]})": {k: v for k, v in n["Resources"].items() if k in ("CPU", "GPU")}
+            for n in ray.nodes() if n["Alive"]}
+
+
+def create_placement_groups(cfg: PPOConfig, timeout_s: float = 120) -> dict[str, Any]:
+    """role -> the PPO placement group (one for all roles, see ``role_bundles``); waits until placed.
+
+    A shape the cluster can never hold fails at once, naming the bundle and every node; one that
+    only waits on resources in use fails after ``timeout_s`` with the same account.
+    """
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    if cfg.colocate:
-        # bundle i: the sum of worker i of every role that has an i-th worker
-        n = max(cfg.role(r).num_workers for r in ROLES)
-        bundles = []
-        for i in range(n):
-            roles = [cfg.role(r) for r in ROLES if cfg.role(r).num_workers > i]
-            b = {"CPU": sum(x.cpus_per_worker for x in roles)}
-            if any(x.gpus_per_worker for x in roles):
-                b["GPU"] = sum(x.gpus_per_worker for x in roles)
-            bundles.append(b)
-        pg = placement_group(bundles, strategy=cfg.placement, name="ppo-colocated")
-        groups = {r: pg for r in ROLES}
-    else:
-        groups = {}
-        for r in ROLES:
-            rc = cfg.role(r)
-            groups[r] = placement_group(placement_bundles(rc.num_workers, rc.cpus_per_worker, rc.gpus_per_worker),
-                                        strategy=cfg.placement, name=f"ppo-{r}")
-    unique = list({id(pg): pg for pg in groups.values()}.values())
-    ready, _ = ray.wait([pg.ready() for pg in unique], num_returns=len(unique), timeout=120)
-    if len(ready) < len(unique):
-        for pg in unique:
-            remove_placement_group(pg)
-        raise TimeoutError(
-            f"ppo placement groups not placed within 120 s (strategy {cfg.placement}, colocate={cfg.colocate}): "
-            "the cluster has the resources in total but not in the shape asked; try placement PACK"
-        )
-    return groups
+    bundles, _, labels = role_bundles(cfg)
+    nodes = cluster_nodes()
+    shape = f"ppo.placement {cfg.placement} (colocate={cfg.colocate}) of {len(bundles)} bundles"
+    has = "the cluster has " + "; ".join(f"{n} {_fmt(r)}" for n, r in nodes.items())
+    if (why := unplaceable(bundles, labels, cfg.placement, nodes)) is not None:
+        raise ValueError(f"{shape} can never be placed: {why}; {has}. Add nodes, lower ppo.<role>.num_workers or "
+                         "cpus_per_worker/gpus_per_worker, or use placement PACK or SPREAD")
+    pg = placement_group(bundles, strategy=cfg.placement, name="ppo-roles")
+    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+    if not ready:
+        remove_placement_group(pg)
+        raise TimeoutError(f"{shape} not placed within {timeout_s:g} s: resources are in use by other work; "
+                           f"{has} in total, {_fmt(ray.available_resources())} free now")
+    return {r: pg for r in ROLES}
 
 
 class RoleGroup:
-    """``num_workers`` Ray actors of one role class, rank i on bundle i, in one torch process group."""
+    """``num_workers`` Ray actors of one role class, rank i on bundle ``first_bundle + i``, in one
+    torch process group."""
 
-    def __init__(self, name: str, worker_cls: type, role: RoleConfig, pg, strategy: str, seed: int, device: str):
+    def __init__(self, name: str, worker_cls: type, role: RoleConfig, pg, strategy: str, seed: int, device: str,
+                 first_bundle: int = 0):
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -100,7 +168,7 @@ class RoleGroup:
         self.workers = [
             remote_cls.options(
                 num_cpus=role.cpus_per_worker, num_gpus=role.gpus_per_worker,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first_bundle + i),
             ).remote(name, i, role.num_workers, strategy, seed, role.cpus_per_worker, device)
             for i in range(role.num_workers)
         ]

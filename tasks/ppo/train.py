@@ -24,7 +24,7 @@ from tasks.data.dataset import read_jsonl
 from tasks.ppo.checkpoint import latest_checkpoint, load_checkpoint, publish_final, save_checkpoint
 from tasks.ppo.config import LEARNERS, ROLES, PPOConfig
 from tasks.ppo.fast_generate import check_fast_generate
-from tasks.ppo.group import RoleGroup, check_cluster, create_placement_groups, role_device
+from tasks.ppo.group import RoleGroup, check_cluster, create_placement_groups, role_bundles, role_device
 
 log = logging.getLogger("rlhf.ppo")
 EVAL_SEED = 20240601
@@ -187,7 +187,9 @@ def start_roles(cfg, model, store, data, sft, rm, seed, tokenizer, pgs, stop_ids
     from tasks.ppo.roles import CriticWorker, PolicyWorker, ReferenceWorker, RewardWorker
 
     classes = {"actor": PolicyWorker, "critic": CriticWorker, "initial": ReferenceWorker, "reward": RewardWorker}
-    groups = {r: RoleGroup(r, classes[r], cfg.role(r), pgs[r], cfg.strategy, seed, role_device(cfg, r)) for r in ROLES}
+    first = role_bundles(cfg)[1]
+    groups = {r: RoleGroup(r, classes[r], cfg.role(r), pgs[r], cfg.strategy, seed, role_device(cfg, r), first[r])
+              for r in ROLES}
     ray.get([ref for g in groups.values() for ref in g.connect()])
     # refs, not keys: every worker's fetch checks that the store holds the content PPO was keyed on
     loads = [w.load.remote(model, store, sft, data, cfg, tokenizer.pad_token_id, stop_ids) for w in groups["actor"].workers]
