@@ -4,6 +4,9 @@
     rlhf config [--config FILE.yaml] [--set ...]     # the resolved config as YAML
     rlhf serve [--cron "0 3 * * 0"] [--config ...]   # deployment rlhf/full, served from this process
     rlhf verify [--config ...]                       # re-hash every artifact in the store against its manifest
+    rlhf ls [--set store.uri=...]                     # the store's artifacts: stage, key, inputs, created, metrics
+    rlhf export --stage ppo [--run latest|KEY] --out DIR [--adapter-only]   # a Hugging Face model folder
+    rlhf generate --stage ppo [--run latest|KEY] "prompt" ...              # sample from a stage's policy
 """
 
 from __future__ import annotations
@@ -31,7 +34,57 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--refresh", action="append", default=[], metavar="STAGE", help="rebuild this stage even if cached (data, sft, rm, ppo, all)")
         if name == "serve":
             s.add_argument("--cron", help="cron schedule for retraining, e.g. '0 3 * * 0'")
+    _use_parsers(sub)
     return p
+
+
+def _use_parsers(sub) -> None:
+    """``ls``, ``export``, ``generate``: read the store named by the config (flows/use.py)."""
+    for name, helptext in (("ls", "list the store's artifacts: stage, key, inputs (lineage), created time, headline metrics"),
+                           ("export", "write a stage's policy as a Hugging Face model folder (LoRA merged) or its PEFT adapter"),
+                           ("generate", "sample responses to prompts from a stage's policy")):
+        s = sub.add_parser(name, help=helptext)
+        s.add_argument("--config", help="YAML file; only its store section is read")
+        s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="e.g. --set store.uri=s3://bucket/rlhf")
+        s.set_defaults(refresh=[])
+        if name == "ls":
+            continue
+        s.add_argument("--stage", default="ppo", choices=["sft", "ppo"], help="whose policy (default ppo)")
+        s.add_argument("--run", default="latest", help="'latest' (newest artifact of the stage) or its key / key hash prefix (see rlhf ls)")
+        if name == "export":
+            s.add_argument("--out", required=True, help="folder to write (new or empty)")
+            s.add_argument("--adapter-only", action="store_true", help="write the PEFT adapter instead of the merged model")
+        else:
+            s.add_argument("prompt", nargs="+", help="one or more prompts")
+            s.add_argument("--max-new-tokens", type=int, default=48)
+            s.add_argument("--greedy", action="store_true", help="greedy decoding instead of sampling")
+
+
+def _use(args) -> int:
+    try:
+        return _use_store(args)
+    except ValueError as e:
+        print(f"rlhf: {e}", file=sys.stderr)
+        return 2
+
+
+def _use_store(args) -> int:
+    from flows import use
+    from flows.rlhf import open_store
+
+    store = open_store(_load(args))
+    if args.cmd == "ls":
+        rows = use.list_artifacts(store)
+        print(use.format_ls(rows) if rows else f"rlhf: no artifacts in {store.uri}")
+        return 0
+    key = use.find_artifact(store, args.stage, args.run)
+    if args.cmd == "export":
+        out = use.export_model(store, key, args.out, adapter_only=args.adapter_only)
+        print(f"rlhf: {store.uri_of(key)} -> {out} ({'PEFT adapter' if args.adapter_only else 'merged model'})")
+        return 0
+    for prompt, response in zip(args.prompt, use.generate(store, key, args.prompt, args.max_new_tokens, args.greedy)):
+        print(f"### {prompt}\n{response}\n")
+    return 0
 
 
 def _load(args):
@@ -53,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "rlhf")  # stage progress lines reach Prefect's logs
     try:
+        if args.cmd in ("ls", "export", "generate"):
+            return _use(args)  # a bad --stage/--run/--out is a ValueError: exit 2 with the message
         cfg = _load(args)
         if args.cmd == "config":
             print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))

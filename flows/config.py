@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from storage.store import reject_credentials
 
 from tasks.common.model import ModelConfig
+from tasks.common.tracking import TrackingConfig
 from tasks.data.config import DataConfig
 from tasks.ppo.config import PPOConfig
 from tasks.rm.config import RewardConfig
@@ -84,6 +85,7 @@ class PipelineConfig(BaseModel):
     sft: SFTConfig = Field(default_factory=SFTConfig)
     rm: RewardConfig = Field(default_factory=RewardConfig)
     ppo: PPOConfig = Field(default_factory=PPOConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     resources: dict[str, StageResources] = Field(
         default_factory=lambda: {s: StageResources() for s in STAGES},
         description="Per-stage Ray resources and retries, keyed by data/sft/rm/ppo.",

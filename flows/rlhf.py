@@ -68,30 +68,10 @@ def ppo_key(cfg: PipelineConfig, data: ArtifactRef, sft: ArtifactRef, rm: Artifa
 
 
 def publish_prefect_artifact(stage: str, store: ArtifactStore, ref: ArtifactRef) -> None:
-    """A markdown card per stage: where the artifact is and its metrics (PPO: reward/KL per iteration)."""
-    from prefect.artifacts import create_markdown_artifact
+    """A markdown card per stage: URI, metrics, curves (PPO: samples and per-iteration tables); flows/report.py."""
+    from flows.report import publish_card
 
-    m = store.manifest(ref.key)
-    rows = "\n".join(f"| `{k}` | {_fmt(v)} |" for k, v in sorted(m["metrics"].items()) if not isinstance(v, (list, dict)))
-    md = f"## {stage}: `{ref.kind}`\n\nURI: `{ref.uri}`\n\ncontent hash: `{ref.content_hash[:16]}`\n\n| metric | value |\n|---|---|\n{rows}\n"
-    if stage == "ppo":
-        md += _ppo_table(store, ref)
-    create_markdown_artifact(key=f"rlhf-{stage}", markdown=md, description=f"{stage} artifact {ref.uri}")
-
-
-def _ppo_table(store: ArtifactStore, ref: ArtifactRef) -> str:
-    import json
-
-    path = store.fetch(ref) / "metrics.jsonl"
-    lines = ["\n### per iteration\n", "| iteration | reward mean | KL | policy loss | eval RM score | eval true score |", "|---|---|---|---|---|---|"]
-    for rec in (json.loads(x) for x in path.read_text().splitlines() if x.strip()):
-        lines.append(f"| {rec.get('iteration', '')} | {_fmt(rec.get('ppo/reward_mean'))} | {_fmt(rec.get('ppo/kl'))} | "
-                     f"{_fmt(rec.get('ppo/policy_loss'))} | {_fmt(rec.get('eval/rm_score'))} | {_fmt(rec.get('eval/true_score'))} |")
-    return "\n".join(lines) + "\n"
-
-
-def _fmt(v) -> str:
-    return f"{v:.4g}" if isinstance(v, float) else ("" if v is None else str(v))
+    publish_card(stage, store, ref)
 
 
 def _inject_fault(stage: str) -> None:
@@ -122,7 +102,10 @@ def _run_stage(stage: str, fn, cfg: PipelineConfig, key: str, **inputs: Artifact
     _progress_to_stderr()
     _inject_fault(stage)
     store = open_store(cfg)
-    ref = fn(cfg, store, *inputs.values(), key=key, force=stage in cfg.refresh or "all" in cfg.refresh)
+    from flows.report import progress
+
+    with progress(stage):  # a Prefect progress artifact that follows the stage's steps
+        ref = fn(cfg, store, *inputs.values(), key=key, force=stage in cfg.refresh or "all" in cfg.refresh)
     get_run_logger().info("%s -> %s", stage, ref.uri)
     publish_prefect_artifact(stage, store, ref)
     return ref.model_dump(mode="json")  # JSON data in Prefect's result store, see _TASK_OPTS
@@ -138,19 +121,19 @@ def _data(cfg, store, key, force):
 def _sft(cfg, store, data, key, force):
     from tasks.sft.train import train_sft
 
-    return train_sft(cfg.sft, cfg.model, store, data, cfg.seed, key=key, force=force)
+    return train_sft(cfg.sft, cfg.model, store, data, cfg.seed, key=key, force=force, tracking=cfg.tracking)
 
 
 def _rm(cfg, store, data, key, force):
     from tasks.rm.train import train_reward_model
 
-    return train_reward_model(cfg.rm, cfg.model, store, data, cfg.seed, key=key, force=force)
+    return train_reward_model(cfg.rm, cfg.model, store, data, cfg.seed, key=key, force=force, tracking=cfg.tracking)
 
 
 def _ppo(cfg, store, data, sft, rm, key, force):
     from tasks.ppo.train import train_ppo
 
-    return train_ppo(cfg.ppo, cfg.model, store, data, sft, rm, cfg.seed, key=key, force=force)
+    return train_ppo(cfg.ppo, cfg.model, store, data, sft, rm, cfg.seed, key=key, force=force, tracking=cfg.tracking)
 
 
 # Results are plain JSON dicts (ArtifactRef.model_dump) with no object hooks: reading a record
@@ -248,11 +231,12 @@ def rlhf(config: PipelineConfig = PipelineConfig()) -> dict[str, ArtifactRef]:
     """data prep -> PEFT LoRA SFT -> reward model -> PPO on Ray; returns the artifact refs."""
     from flows.preflight import preflight
     from flows.runtime import ray_task_runner
+    from tasks.common.tracking import run_pipeline_tracked
 
     cfg = validate_config(config)
     preflight(cfg)  # every config/data/cluster error before any model loads
     store = open_store(cfg)
     keys = known_keys(cfg, store)
-    if "ppo" in keys and hit(cfg, store, "ppo", keys["ppo"]):  # every stage a hit: no Ray to start
-        return rlhf_stages(cfg, keys)
-    return rlhf_stages.with_options(task_runner=ray_task_runner(cfg.ray))(cfg, keys)
+    all_hit = "ppo" in keys and hit(cfg, store, "ppo", keys["ppo"])  # every stage a hit: no Ray to start
+    stages = rlhf_stages if all_hit else rlhf_stages.with_options(task_runner=ray_task_runner(cfg.ray))
+    return run_pipeline_tracked(cfg, lambda c: stages(c, keys))  # inside the pipeline's MLflow run, when set

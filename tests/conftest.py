@@ -2,6 +2,7 @@
 
 - ``s3_server``: moto's S3 API server (a real HTTP S3 endpoint for s3fs), with a bucket.
 - ``ray_cluster``: a local Ray (no dashboard), shut down at the end.
+- ``mlflow_server``: a real ``mlflow server`` (sqlite backend) on a free loopback port.
 - ``prefect_api``: a real ``prefect server start`` on a free loopback port; PREFECT_API_URL is
   exported so flows, tasks and Ray workers started afterwards report to it.
 """
@@ -23,6 +24,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
 
 def free_port() -> int:
@@ -108,3 +110,28 @@ def prefect_api(tmp_path_factory):
             proc.wait(20)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    """The tracking URI of a real ``mlflow server`` on 127.0.0.1 with a sqlite backend."""
+    import signal
+
+    home = tmp_path_factory.mktemp("mlflow")
+    port = free_port()
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # no job-runner processes
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).parent / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{home}/mlflow.db",
+         "--default-artifact-root", str(home / "artifacts"), "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+        stdout=open(home / "server.log", "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True,
+    )
+    uri = f"http://127.0.0.1:{port}"
+    try:
+        _wait_http(uri + "/health", 120, proc)
+        yield uri
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)  # the server and the uvicorn worker it started
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)

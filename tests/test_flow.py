@@ -78,8 +78,8 @@ def result_records(store_uri: str) -> dict[str, Path]:
     return {stage: storage / cache_key(None, {"cfg": cfg, "key": key}) for stage, key in found.items()}
 
 
-def test_run_then_cached_rerun_then_only_downstream_reruns(store_uri, prefect_api):
-    p, first = rlhf_run(store_uri)
+def test_run_then_cached_rerun_then_only_downstream_reruns(store_uri, prefect_api, mlflow_server):
+    p, first = rlhf_run(store_uri, "--set", f"tracking.mlflow_uri={mlflow_server}", "--set", "tracking.mlflow_experiment=flow")
     states = task_states()
     assert {s["state"] for s in states.values()} == {"Completed"}, states
     assert all(re.search(rf"rlhf: {s:5s} built ", p.stdout + p.stderr) for s in ("data", "sft", "rm", "ppo")), p.stderr
@@ -158,6 +158,22 @@ def test_warm_run_on_s3_reads_only_manifests(store_uri, prefect_api, logged_s3, 
           f"(the artifacts hold {total} bytes)")
     assert got and all(path.endswith("/MANIFEST.json") for path in got), got
     assert got_bytes < 64_000 < total, (got_bytes, total)
+
+
+def test_the_first_run_is_an_mlflow_run_with_a_nested_run_per_stage(store_uri, mlflow_server):
+    """The first run of the test above, read back from the MLflow server through its client."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=mlflow_server)
+    exp = client.get_experiment_by_name("flow").experiment_id
+    (parent,) = client.search_runs([exp], filter_string=f"tags.`rlhf.store` = '{store_uri}'")
+    assert parent.info.status == "FINISHED" and parent.data.params["ppo.num_iterations"] == "3"
+    children = {r.info.run_name: r for r in client.search_runs([exp], filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'")}
+    assert set(children) == {"sft", "rm", "ppo"}  # data prep trains nothing
+    for stage, run in children.items():
+        assert run.info.status == "FINISHED" and run.data.tags["rlhf.artifact_uri"] == parent.data.tags[f"rlhf.artifact.{stage}"]
+    kl = client.get_metric_history(children["ppo"].info.run_id, "ppo/kl")
+    assert sorted(m.step for m in kl) == [1, 2, 3]
 
 
 def test_refresh_rebuilds_the_stage(store_uri, prefect_api):
@@ -261,3 +277,12 @@ def test_each_stage_publishes_a_prefect_artifact(store_uri, prefect_api):
     assert set(arts) == {"rlhf-data", "rlhf-sft", "rlhf-rm", "rlhf-ppo"} and all(arts.values()), {k: len(v) for k, v in arts.items()}
     assert all("sft/eval_loss" in d for d in arts["rlhf-sft"]) and all("rm/eval_accuracy" in d for d in arts["rlhf-rm"])
     assert all("| iteration | reward mean | KL" in d for d in arts["rlhf-ppo"])
+    # the curves as an image on the page, and the samples side by side (flows/report.py)
+    assert all("![" in d and "](data:image/png;base64," in d for s in ("sft", "rm", "ppo") for d in arts[f"rlhf-{s}"])
+    assert all("| prompt | SFT policy (it 0) | RM | true | policy (it 3) |" in d for d in arts["rlhf-ppo"])
+
+    async def progress():
+        async with get_client() as c:
+            return await c.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["rlhf-ppo-progress"])))
+
+    assert {a.type for a in asyncio.run(progress())} == {"progress"} and all(a.data == 100.0 for a in asyncio.run(progress()))

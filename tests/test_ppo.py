@@ -17,6 +17,7 @@ from pydantic import ValidationError
 
 from storage import ArtifactStore
 from tasks.common.model import ModelConfig, load_causal_lm, load_tokenizer
+from tasks.common.tracking import read_scalars, read_texts, scalars
 from tasks.data.config import DataConfig
 from tasks.data.dataset import read_jsonl
 from tasks.data.prepare import prepare_data
@@ -167,6 +168,20 @@ def test_ppo_raises_reward_and_true_score_with_bounded_kl(stages):
               "response_length", "kl_coef"):
         assert all(torch.isfinite(torch.tensor(h[f"ppo/{k}"])) for h in steps), k
     assert train_ppo(cfg, MODEL, store, data, sft, rm, SEED) == ref  # published: found again, not retrained
+
+    # tensorboard/ in the artifact, read with TensorBoard's reader, holds every scalar of metrics.jsonl
+    tb = read_scalars(store.fetch(ref.key) / "tensorboard")
+    expected: dict[str, list] = {}
+    for rec in history(store, ref.key):
+        for k, v in scalars(rec).items():
+            expected.setdefault(k, []).append((rec["iteration"], v))
+    assert set(tb) == set(expected) and "ppo/kl" in tb and "eval/true_score" in tb
+    for k, series in expected.items():
+        assert [s for s, _ in tb[k]] == [s for s, _ in series], k
+        assert [v for _, v in tb[k]] == pytest.approx([v for _, v in series], rel=1e-6, abs=1e-6), k
+    texts = read_texts(store.fetch(ref.key) / "tensorboard")["eval/samples"]  # the side-by-side samples table
+    assert [s for s, _ in texts] == [h["iteration"] for h in history(store, ref.key) if "eval/samples" in h]
+    assert "| prompt | SFT policy (it 0) | RM | true | policy (it 30) |" in texts[-1][1]
 
     # the adapter loads on the base model and moved away from the SFT adapter
     from peft import PeftModel

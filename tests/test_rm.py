@@ -13,6 +13,7 @@ from tasks.common.model import ModelConfig
 from tasks.data.config import DataConfig
 from tasks.data.dataset import pad_batch, read_jsonl
 from tasks.data.prepare import prepare_data
+from tasks.common.tracking import read_scalars
 from tasks.rm import train as rm_train
 from tasks.rm.config import RewardConfig
 from tasks.rm.loss import pairwise_loss
@@ -108,6 +109,11 @@ def test_default_reward_model_learns_and_loads(store, data, pad_id):
     acc, margin = evaluate_rm(rm, evals, pad_id, 16, "cpu")
     assert acc == pytest.approx(m["rm/eval_accuracy"]) and margin == pytest.approx(m["rm/eval_margin"], abs=1e-4)
     assert train_reward_model(RewardConfig(), MODEL, store, data, seed=0) == ref  # cached
+    tb = read_scalars(store.fetch(ref.key) / "tensorboard")  # the artifact's event files, TensorBoard's reader
+    expected = [(0, m["rm/eval_accuracy_start"])] + [(s, a) for s, a, _ in m["rm/eval_history"]]
+    assert [s for s, _ in tb["rm/eval_accuracy"]] == [s for s, _ in expected]
+    assert [v for _, v in tb["rm/eval_accuracy"]] == pytest.approx([v for _, v in expected], rel=1e-6)
+    assert [s for s, _ in tb["rm/loss"]] == list(range(1, m["rm/steps"] + 1)) and len(tb["rm/grad_norm"]) == m["rm/steps"]
 
 
 def test_lora_reward_model_merges_into_a_plain_state_dict(store, data, pad_id):

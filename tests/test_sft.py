@@ -14,6 +14,7 @@ from tasks.data.config import DataConfig
 from tasks.data.dataset import read_jsonl
 from tasks.data.prepare import prepare_data
 from tasks.common import loop
+from tasks.common.tracking import read_scalars
 from tasks.sft import train as sft_train
 from tasks.sft.config import SFTConfig
 from tasks.sft.lora import AUTO_TARGETS, resolve_target_modules
@@ -120,6 +121,21 @@ def test_default_sft_learns(trained):
             "tokenizer/tokenizer.json"} <= set(manifest["files"])
     state = torch.load(path / "trainer_state.pt", weights_only=True)
     assert state["step"] == 99 and "optimizer" in state and "scheduler" in state and len(state["rng"]) == 1
+
+
+def test_tensorboard_events_in_the_artifact_hold_the_run(trained):
+    """tensorboard/ of the artifact, read with TensorBoard's own reader: the eval curve is the
+    manifest's eval history, and every step has its loss, lr, grad norm and tokens/s."""
+    _, manifest, path = trained
+    m = manifest["metrics"]
+    tb = read_scalars(path / "tensorboard")
+    assert any(f.startswith("tensorboard/events.out.tfevents.") for f in manifest["files"])
+    expected = [(0, m["sft/eval_loss_start"])] + [(s, v) for s, v in m["sft/eval_history"]]
+    assert [s for s, _ in tb["sft/eval_loss"]] == [s for s, _ in expected]
+    assert [v for _, v in tb["sft/eval_loss"]] == pytest.approx([v for _, v in expected], rel=1e-6)  # float32 in events
+    for tag in ("sft/loss", "sft/lr", "sft/grad_norm", "sft/tokens_per_s"):
+        assert [s for s, _ in tb[tag]] == list(range(1, m["sft/steps"] + 1)), tag
+    assert max(v for _, v in tb["sft/lr"]) == pytest.approx(SFTConfig().lr, rel=1e-5)
 
 
 def test_lora_moved_and_base_frozen(trained):

@@ -22,7 +22,7 @@ import json
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -92,7 +92,9 @@ def load_checkpoint(store: ArtifactStore, ckpt_key: str, num_workers: Mapping[st
 
 
 def publish_final(store: ArtifactStore, key: str, adapter_files: Mapping[str, bytes], tokenizer_dir: Path,
-                  history: list[dict], summary: dict, config: dict, inputs: Mapping[str, ArtifactRef]) -> ArtifactRef:
+                  history: list[dict], summary: dict, config: dict, inputs: Mapping[str, ArtifactRef],
+                  add_files: Callable[[Path], None] | None = None) -> ArtifactRef:
+    """``add_files(folder)`` may put more files into the artifact before it is published (TensorBoard's)."""
     with tempfile.TemporaryDirectory(prefix="rlhf-ppo-final-") as tmp:
         out = Path(tmp)
         (out / "adapter").mkdir()
@@ -102,4 +104,6 @@ def publish_final(store: ArtifactStore, key: str, adapter_files: Mapping[str, by
         with open(out / "metrics.jsonl", "w") as f:
             for rec in history:
                 f.write(json.dumps(rec) + "\n")
+        if add_files is not None:
+            add_files(out)
         return store.publish(key, out, kind="ppo_actor", config=config, inputs=inputs, metrics=summary)

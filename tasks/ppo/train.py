@@ -20,6 +20,7 @@ from storage.keys import code_version, stage_key
 from storage.store import ArtifactRef, ArtifactStore
 from tasks.common.builtin import score_response
 from tasks.common.model import ModelConfig, check_model_exists, load_tokenizer, model_stop_ids
+from tasks.common.tracking import Tracker, TrackingConfig
 from tasks.data.dataset import read_jsonl
 from tasks.ppo.checkpoint import latest_checkpoint, load_checkpoint, publish_final, save_checkpoint
 from tasks.ppo.config import LEARNERS, ROLES, PPOConfig
@@ -28,12 +29,15 @@ from tasks.ppo.group import RoleGroup, check_cluster, create_placement_groups, r
 
 log = logging.getLogger("rlhf.ppo")
 EVAL_SEED = 20240601
+SAMPLES = 4  # held-out prompts whose responses each evaluation keeps (``eval/samples``)
 METRICS = ("reward_mean", "reward_std", "kl", "entropy", "policy_loss", "value_loss", "clip_fraction", "response_length")
 
 
 def ppo_key(cfg: PPOConfig, model: ModelConfig, data: ArtifactRef, sft: ArtifactRef, rm: ArtifactRef, seed: int) -> str:
     return stage_key("ppo", {"ppo": cfg, "model": model.identity(), "seed": _seed(cfg, seed)},
-                     {"data": data.only("tokenizer", "prompts_train.jsonl", "prompts_eval.jsonl", "ptx_train.jsonl"), "sft": sft, "rm": rm},
+                     {"data": data.only("tokenizer", "prompts_train.jsonl", "prompts_eval.jsonl", "ptx_train.jsonl"),
+                      # the parts PPO reads: TensorBoard's event files (wall times) must not re-key it
+                      "sft": sft.only("adapter"), "rm": rm.only("model.safetensors", "config.json")},
                      code_version(__name__))
 
 
@@ -105,12 +109,13 @@ class PromptSampler:
 
 def train_ppo(cfg: PPOConfig, model: ModelConfig, store: ArtifactStore, data: ArtifactRef, sft: ArtifactRef,
               rm: ArtifactRef, seed: int, on_iteration: Callable[[int, dict], None] | None = None,
-              *, key: str | None = None, force: bool = False) -> ArtifactRef:
+              *, key: str | None = None, force: bool = False, tracking: TrackingConfig | None = None) -> ArtifactRef:
     """PPO of the SFT policy against the reward model; returns the ``ppo_actor`` artifact.
 
     ``on_iteration(it, metrics)`` is called after each iteration (and its checkpoint); an
     exception from it stops the run like a crash would (tests use it to interrupt). ``key`` is the
-    one the flow computed (``ppo_key``); None computes it.
+    one the flow computed (``ppo_key``); None computes it. Every record of ``metrics.jsonl`` also
+    goes to the artifact's ``tensorboard/`` and to ``tracking``.
     """
     import ray
 
@@ -138,6 +143,7 @@ def train_ppo(cfg: PPOConfig, model: ModelConfig, store: ArtifactStore, data: Ar
     inputs = {"data": data, "sft": sft, "rm": rm}
     config = {"ppo": cfg.model_dump(mode="json"), "model": model.identity(), "seed": seed}
     pgs, groups = create_placement_groups(cfg), {}
+    tracker = Tracker("ppo", tracking, config, cfg.num_iterations)
     try:
         groups = start_roles(cfg, model, store, data, sft, rm, seed, tokenizer, pgs, stop_ids)
         run = PPORun(cfg, groups, tokenizer, evals, model.is_builtin)
@@ -152,13 +158,18 @@ def train_ppo(cfg: PPOConfig, model: ModelConfig, store: ArtifactStore, data: Ar
             sampler = PromptSampler(len(prompts), seed, **driver["sampler"])
             kl_ctl.load_state_dict(driver["kl"])
             log.info("ppo resumed from %s at iteration %d", ckpt, start)
+            for rec in history:  # the curves of a resumed run start where the checkpointed run began
+                _track(tracker, history, rec)
         else:
             history.append(run.evaluate(0))
+            _track(tracker, history, history[-1])
         for it in range(start + 1, cfg.num_iterations + 1):
             metrics = run.iteration(it, [prompts[i] for i in sampler.next(cfg.rollout_batch_size)], kl_ctl)
             history.append(metrics)
+            _track(tracker, history, metrics)
             if it % cfg.eval_every == 0 or it == cfg.num_iterations:
                 history.append(run.evaluate(it))
+                _track(tracker, history, history[-1])
             if it % cfg.checkpoint_every == 0 and it < cfg.num_iterations:
                 states = {r: ray.get([w.state.remote() for w in groups[r].workers]) for r in LEARNERS}
                 driver = {"sampler": sampler.state_dict(), "kl": kl_ctl.state_dict(), "history": history}
@@ -166,11 +177,38 @@ def train_ppo(cfg: PPOConfig, model: ModelConfig, store: ArtifactStore, data: Ar
             if on_iteration is not None:
                 on_iteration(it, metrics)
         adapter = ray.get([w.adapter_files.remote() for w in groups["actor"].workers])[0]
-        ref = publish_final(store, key, adapter, data_dir / "tokenizer", history, _summary(history), config, inputs)
+        ref = publish_final(store, key, adapter, data_dir / "tokenizer", history, _summary(history), config, inputs,
+                            add_files=tracker.write_into)
+        tracker.finish(ref.uri)
         log.info("ppo: published %s", ref.uri)
         return ref
+    except BaseException:
+        tracker.fail()
+        raise
     finally:
+        tracker.close()
         stop_roles(groups, pgs)
+
+
+def _track(tracker: Tracker, history: list[dict], rec: dict) -> None:
+    """One metrics.jsonl record to the tracker; an evaluation's samples also as a text table."""
+    tracker.log(rec["iteration"], rec)
+    if "eval/samples" in rec:
+        first = next(h for h in history if "eval/samples" in h)
+        tracker.text("eval/samples", samples_markdown(first, rec), rec["iteration"])
+
+
+def samples_markdown(first: dict, now: dict) -> str:
+    """The held-out prompts with the first evaluation's responses (the SFT policy, iteration 0)
+    and those of ``now``, side by side with their scores: a markdown table."""
+    cols = ["rm_score", "true_score"] if "true_score" in now["eval/samples"][0] else ["rm_score"]
+    names = " | ".join(["RM", "true"][:len(cols)])
+    rows = [f"| prompt | SFT policy (it {first['iteration']}) | {names} | policy (it {now['iteration']}) | {names} |",
+            "|" + "---|" * (3 + 2 * len(cols))]
+    for a, b in zip(first["eval/samples"], now["eval/samples"]):
+        cells = [b["prompt"], a["response"], *(f"{a[c]:.2f}" for c in cols), b["response"], *(f"{b[c]:.2f}" for c in cols)]
+        rows.append("| " + " | ".join(c.replace("|", "\\|").replace("\n", " ").strip() or "(empty)" for c in cells) + " |")
+    return "\n".join(rows)
 
 
 def _kl_controller(cfg: PPOConfig):
@@ -287,10 +325,15 @@ class PPORun:
         rollouts, policy, ref, score = ray.get(rollouts), ray.get(policy), ray.get(ref), ray.get(score)
         mask = torch.cat([r.action_mask for r in rollouts])
         kl = torch.cat([((lp - rl) * r.action_mask).sum(1) for r, (lp, _), rl in zip(rollouts, policy, ref)])
-        m = {"iteration": it, "eval/rm_score": float(torch.cat(score).mean()), "eval/kl": float(kl.mean()),
+        scores = torch.cat(score)
+        m = {"iteration": it, "eval/rm_score": float(scores.mean()), "eval/kl": float(kl.mean()),
              "eval/response_length": float(mask.sum(1).mean())}
+        texts = self.responses(rollouts)
+        order = [p for part in parts for p in part]  # the prompts in the order of the responses
+        m["eval/samples"] = [{"prompt": self.tok.decode(order[j], skip_special_tokens=True), "response": texts[j],
+                              "rm_score": float(scores[j]), **({"true_score": score_response(texts[j])} if self.builtin else {})}
+                             for j in range(min(SAMPLES, len(texts)))]
         if self.builtin:
-            texts = self.responses(rollouts)
             m["eval/true_score"] = sum(map(score_response, texts)) / len(texts)
             m["eval/sample"] = texts[0]
         m["time/eval_s"] = time.perf_counter() - t0

@@ -27,6 +27,7 @@ from storage.store import ArtifactRef, ArtifactStore
 from tasks.common.model import ModelConfig, load_causal_lm, load_tokenizer, pick_device
 from tasks.data.dataset import collate_lm, read_jsonl
 from tasks.common import loop
+from tasks.common.tracking import Tracker, TrackingConfig
 from tasks.sft.config import SFTConfig
 from tasks.sft.lora import lora_config, model_skeleton, resolve_target_modules
 from tasks.sft.loss import IGNORE_INDEX, causal_lm_loss
@@ -49,7 +50,8 @@ def partial_key(key: str) -> str:
 
 
 def train_sft(cfg: SFTConfig, model: ModelConfig, store: ArtifactStore, data: ArtifactRef, seed: int,
-              *, key: str | None = None, stop_after: int | None = None, force: bool = False) -> ArtifactRef:
+              *, key: str | None = None, stop_after: int | None = None, force: bool = False,
+              tracking: TrackingConfig | None = None) -> ArtifactRef:
     """Train a LoRA adapter on ``data``'s ``sft_train`` split and publish it; returns its ref.
 
     ``key`` is the one the flow computed (``sft_key``); None computes it. An artifact already
@@ -57,7 +59,8 @@ def train_sft(cfg: SFTConfig, model: ModelConfig, store: ArtifactStore, data: Ar
     after that many optimizer steps (counted from step 0) as a preempted job would: the
     checkpoint is written and its ref (kind ``sft_checkpoint``) returned instead of the final
     adapter; the next call with ``resume`` continues from it. The schedule still spans the full
-    run, so stopping changes nothing but where the work happens.
+    run, so stopping changes nothing but where the work happens. ``tracking``: where the scalars
+    go besides the artifact's ``tensorboard/`` (tasks/common/tracking.py).
     """
     if data.kind != "dataset":
         raise ValueError(f"train_sft data {data.uri!r} is a {data.kind!r} artifact: pass the ref prepare_data returned (kind 'dataset')")
@@ -66,7 +69,7 @@ def train_sft(cfg: SFTConfig, model: ModelConfig, store: ArtifactStore, data: Ar
         logger.info("sft: %s already published, reusing it", store.uri_of(key))
         return store.ref(key)
     targets = _check_inputs(cfg, model, store, data)
-    args = (cfg, model, store, data, seed, key, targets, stop_after)
+    args = (cfg, model, store, data, seed, key, targets, stop_after, tracking)
     if cfg.num_workers > 1:
         from tasks.common.dist import run_data_parallel
 
@@ -86,7 +89,7 @@ def _check_inputs(cfg: SFTConfig, model: ModelConfig, store: ArtifactStore, data
     return resolve_target_modules(cfg.target_modules, model_skeleton(model), builtin=model.is_builtin)
 
 
-def _fit(cfg, model_cfg, store, data, seed, key, targets, stop_after) -> dict | None:
+def _fit(cfg, model_cfg, store, data, seed, key, targets, stop_after, tracking) -> dict | None:
     """One rank's training run (the whole run with one process). Rank 0 returns the ref dict."""
     from peft import PeftModel, get_peft_model
 
@@ -117,37 +120,43 @@ def _fit(cfg, model_cfg, store, data, seed, key, targets, stop_after) -> dict | 
         state = {"step": 0, "window_losses": [], "eval_history": [], "resumed_from_step": 0,
                  "eval_loss_start": evaluate(model, evals, pad_id, cfg.batch_size, device)}
     ddp = loop.wrap_ddp(model, device)
+    config = {"sft": cfg.model_dump(mode="json"), "model": model_cfg.model_dump(mode="json"), "seed": seed,
+              "target_modules": targets, "world_size": world}
+    with Tracker("sft", tracking, config, total, active=rank == 0) as tracker:
+        # a resumed run's curve starts with the evals it already made (per-step lines before it are not kept)
+        for step, eval_loss in [[0, state["eval_loss_start"]], *state["eval_history"]]:
+            tracker.log(step, {"sft/eval_loss": eval_loss})
 
-    def save(out_dir: Path) -> None:
-        rng = loop.gather_rng()  # collective: every rank takes part
-        if rank == 0:
-            _save(model, data_dir / "tokenizer", opt, sched, state, rng, spe, out_dir)
+        def save(out_dir: Path) -> None:
+            rng = loop.gather_rng()  # collective: every rank takes part
+            if rank == 0:
+                _save(model, data_dir / "tokenizer", opt, sched, state, rng, spe, out_dir)
 
-    end = min(total, stop_after) if stop_after else total
-    throughput = _train_loop(cfg, ddp, model, params, opt, sched, state, train, evals, pad_id, seed, spe, total, end,
-                             device, lambda: _publish_checkpoint(store, key, data, save, rank))
-    if end < total:
-        ref = _publish_checkpoint(store, key, data, save, rank)
-        return ref.model_dump() if rank == 0 else None
+        end = min(total, stop_after) if stop_after else total
+        throughput = _train_loop(cfg, ddp, model, params, opt, sched, state, train, evals, pad_id, seed, spe, total, end,
+                                 device, lambda: _publish_checkpoint(store, key, data, save, rank), tracker)
+        if end < total:
+            ref = _publish_checkpoint(store, key, data, save, rank)
+            return ref.model_dump() if rank == 0 else None
 
-    metrics = {"sft/eval_loss_start": state["eval_loss_start"], "sft/eval_loss": state["eval_history"][-1][1],
-               "sft/train_loss": state["train_loss"], "sft/steps": state["step"], "sft/tokens_per_s": throughput,
-               "sft/ddp_weight_max_diff": loop.max_weight_diff(params), "sft/eval_history": state["eval_history"],
-               "sft/resumed_from_step": state["resumed_from_step"]}
-    with tempfile.TemporaryDirectory() as tmp:
-        save(Path(tmp))
-        if rank != 0:
-            return None
-        config = {"sft": cfg.model_dump(mode="json"), "model": model_cfg.model_dump(mode="json"), "seed": seed,
-                  "target_modules": targets, "world_size": world}
-        ref = store.publish(key, tmp, kind=KIND, config=config, inputs={"data": data}, metrics=metrics)
-    store.delete(partial_key(key))
-    logger.info("sft: published %s eval_loss %.4f -> %.4f", ref.uri, metrics["sft/eval_loss_start"], metrics["sft/eval_loss"])
-    return ref.model_dump()
+        metrics = {"sft/eval_loss_start": state["eval_loss_start"], "sft/eval_loss": state["eval_history"][-1][1],
+                   "sft/train_loss": state["train_loss"], "sft/steps": state["step"], "sft/tokens_per_s": throughput,
+                   "sft/ddp_weight_max_diff": loop.max_weight_diff(params), "sft/eval_history": state["eval_history"],
+                   "sft/resumed_from_step": state["resumed_from_step"]}
+        with tempfile.TemporaryDirectory() as tmp:
+            save(Path(tmp))
+            if rank != 0:
+                return None
+            tracker.write_into(tmp)
+            ref = store.publish(key, tmp, kind=KIND, config=config, inputs={"data": data}, metrics=metrics)
+        tracker.finish(ref.uri)
+        store.delete(partial_key(key))
+        logger.info("sft: published %s eval_loss %.4f -> %.4f", ref.uri, metrics["sft/eval_loss_start"], metrics["sft/eval_loss"])
+        return ref.model_dump()
 
 
 def _train_loop(cfg, ddp, model, params, opt, sched, state, train, evals, pad_id, seed, spe, total, end, device,
-                checkpoint) -> float:
+                checkpoint, tracker) -> float:
     """Optimizer steps from ``state['step']`` to ``end``; evaluates and checkpoints on the way.
     Returns tokens/s (non-pad input tokens over all ranks)."""
     rank, world = loop.rank_world()
@@ -158,17 +167,21 @@ def _train_loop(cfg, ddp, model, params, opt, sched, state, train, evals, pad_id
         if epoch != epoch_of_batches:
             batches, epoch_of_batches = loop.epoch_batches(len(train), cfg.batch_size, seed, epoch, rank, world), epoch
         micro = [collate_lm([train[i] for i in b], pad_id) for b in batches[pos * acc:(pos + 1) * acc]]
-        loss = _train_step(ddp, micro, params, opt, sched, cfg.grad_clip, device)
+        lr = sched.get_last_lr()[0]
+        loss, grad_norm = _train_step(ddp, micro, params, opt, sched, cfg.grad_clip, device)
         tokens += sum(int(m["attention_mask"].sum()) for m in micro) * world
         state["step"] += 1
         state["window_losses"].append(loss)
         step = state["step"]
+        tracker.log(step, {"sft/loss": loss, "sft/lr": lr, "sft/grad_norm": grad_norm,
+                           "sft/tokens_per_s": tokens / (time.perf_counter() - t0)})
         if rank == 0 and (step % cfg.log_every == 0 or step == total):
             logger.info("sft step %d/%d loss %.4f lr %.3e tokens/s %.0f", step, total, loss,
                         sched.get_last_lr()[0], tokens / (time.perf_counter() - t0))
         if step % cfg.eval_every == 0 or step == total:
             eval_loss = evaluate(model, evals, pad_id, cfg.batch_size, device)
             state["eval_history"].append([step, eval_loss])
+            tracker.log(step, {"sft/eval_loss": eval_loss})
             state["train_loss"] = sum(state["window_losses"]) / len(state["window_losses"])
             state["window_losses"] = []
             if rank == 0:
@@ -178,8 +191,9 @@ def _train_loop(cfg, ddp, model, params, opt, sched, state, train, evals, pad_id
     return tokens / max(time.perf_counter() - t0, 1e-9)
 
 
-def _train_step(ddp, micro: list[dict], params, opt, sched, grad_clip: float, device: str) -> float:
-    """One optimizer step over ``micro`` batches; returns the step's mean token loss (all ranks).
+def _train_step(ddp, micro: list[dict], params, opt, sched, grad_clip: float, device: str) -> tuple[float, float]:
+    """One optimizer step over ``micro`` batches; returns the step's mean token loss (all ranks)
+    and the gradient norm before clipping.
 
     Each micro-batch contributes its NLL sum over the token count of the whole step on all
     ranks (times world size, which DDP's gradient mean divides out again), so the gradient is
@@ -196,11 +210,11 @@ def _train_step(ddp, micro: list[dict], params, opt, sched, grad_clip: float, de
             out = causal_lm_loss(logits, m["labels"])
             (out.nll_sum * world / window.clamp(min=1).to(device)).backward()
         nll += out.nll_sum.detach().float().cpu()
-    torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, grad_clip))
     opt.step()
     sched.step()
     opt.zero_grad(set_to_none=True)
-    return float(loop.all_reduce(nll) / window.clamp(min=1))
+    return float(loop.all_reduce(nll) / window.clamp(min=1)), grad_norm
 
 
 @torch.no_grad()
