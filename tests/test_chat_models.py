@@ -29,6 +29,8 @@ from tasks.ppo.train import resolve_stop_ids
 from tasks.rm.model import build_reward_model
 from tasks.sft.loss import causal_lm_loss
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 EOT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -199,12 +201,12 @@ def test_rollouts_stop_on_the_second_stop_id_with_the_score_there(chat):
     pad) logits were swapped with those of two tokens it emits mid-response: rows stop on
     <|im_end|>, on <|endoftext|>, or run to N; the action mask ends at (and includes) the stop,
     the reward lands there and the reward model reads it there. The static-cache decode agrees
-    token for token, greedy and sampled."""
+    token for token, greedy and sampled (on the GPU where there is one: its CUDA graphs hold the stop ids)."""
     cfg, tok, eot, im_end = chat
     pad, stops = tok.pad_token_id, resolve_stop_ids(PPOConfig(), cfg, tok)
     assert stops == [eot, im_end]
-    model = _peaky(load_causal_lm(cfg))
-    ids, mask = _prompts(tok)
+    model = _peaky(load_causal_lm(cfg)).to(DEVICE)
+    ids, mask = (x.to(DEVICE) for x in _prompts(tok))
     P = ids.shape[1]
     free = generate(model, ids, mask, max_new_tokens=N, eos_token_id=[], pad_token_id=pad, greedy=True).sequences[:, P:].tolist()
     assert not {eot, im_end} & {x for row in free for x in row}
@@ -228,26 +230,26 @@ def test_rollouts_stop_on_the_second_stop_id_with_the_score_there(chat):
     stopped_on_im_end = [b for b, row in enumerate(want) if im_end in row]
     assert all(old.action_mask[b].sum() > lengths[b] for b in stopped_on_im_end)  # eos alone runs past <|im_end|>
 
-    score = torch.arange(1.0, len(want) + 1)
-    rewards = token_rewards(score, torch.zeros(len(want), N), ro.action_mask, kl_coef=0.1)
+    score = torch.arange(1.0, len(want) + 1, device=DEVICE)
+    rewards = token_rewards(score, torch.zeros(len(want), N, device=DEVICE), ro.action_mask, kl_coef=0.1)
     assert [int(row.nonzero()[-1]) for row in rewards] == [n - 1 for n in lengths]
     torch.manual_seed(0)
-    rm = build_reward_model(cfg).eval()
+    rm = build_reward_model(cfg).to(DEVICE).eval()
     with torch.no_grad():
         rm_score, values = rm(ro.sequences, ro.attention_mask), rm.values(ro.sequences, ro.attention_mask)
-    torch.testing.assert_close(rm_score, values[torch.arange(len(want)), P + torch.tensor(lengths) - 1])
+    torch.testing.assert_close(rm_score, values[torch.arange(len(want), device=DEVICE), P + torch.tensor(lengths, device=DEVICE) - 1])
 
     fg = FastGenerator(model, max_batch=8, max_len=P + N)
     fast = fg.generate(ids, mask, max_new_tokens=N, eos_token_id=stops, pad_token_id=pad, greedy=True)
     for field in ro._fields:
         assert torch.equal(getattr(fast, field), getattr(ro, field)), field
     sampled = generate(model, ids, mask, max_new_tokens=N, eos_token_id=[], pad_token_id=pad,
-                       generator=torch.Generator().manual_seed(1)).sequences[:, P:]
+                       generator=torch.Generator(DEVICE).manual_seed(1)).sequences[:, P:]
     several = stops + sampled[0, N // 2:N // 2 + 2].tolist()  # two more stop ids: tokens row 0 samples late
     kw = dict(max_new_tokens=N, eos_token_id=several, pad_token_id=pad)
     for seed in (1, 2):
-        a = generate(model, ids, mask, generator=torch.Generator().manual_seed(seed), **kw)
-        b = fg.generate(ids, mask, generator=torch.Generator().manual_seed(seed), **kw)
+        a = generate(model, ids, mask, generator=torch.Generator(DEVICE).manual_seed(seed), **kw)
+        b = fg.generate(ids, mask, generator=torch.Generator(DEVICE).manual_seed(seed), **kw)
         assert a.ended_with_eos.any() and not a.ended_with_eos.all()
         for field in a._fields:
             assert torch.equal(getattr(a, field), getattr(b, field)), (seed, field)
