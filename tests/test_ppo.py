@@ -21,7 +21,7 @@ from tasks.data.config import DataConfig
 from tasks.data.dataset import read_jsonl
 from tasks.data.prepare import prepare_data
 from tasks.ppo.checkpoint import latest_checkpoint
-from tasks.ppo.config import PPOConfig
+from tasks.ppo.config import PPOConfig, resolve_placement
 from tasks.ppo.group import create_placement_groups
 from tasks.ppo.losses import FixedKLController
 from tasks.ppo.train import PPORun, PromptSampler, ppo_key, resolve_stop_ids, start_roles, stop_roles, train_ppo
@@ -160,7 +160,11 @@ def test_ppo_raises_reward_and_true_score_with_bounded_kl(stages):
     assert m["eval/rm_score_after"] > m["eval/rm_score_before"] + 3.0
     assert m["eval/true_score_after"] > m["eval/true_score_before"] + 0.4
     assert 0.0 < m["eval/kl_after"] < 8.0
-    assert m["eval/kl_before"] == pytest.approx(0.0, abs=1e-4)  # the policy starts as the initial model
+    assert m["eval/kl_before"] == 0.0  # the policy starts as the initial model: the shared reference is the same forward
+    manifest = store.manifest(ref.key)
+    assert manifest["config"]["placement"]["reference"] == "shared" and "initial" not in manifest["config"]["placement"]["roles"]
+    assert {r: v["device"] for r, v in manifest["config"]["placement"]["roles"].items()} == dict.fromkeys(("actor", "critic", "reward"), "cpu")
+    assert all(m[f"memory/{r}/peak_rss_gib"] > 0.1 for r in ("actor", "critic", "reward")), m  # CPU: peak RSS per role
     steps = [h for h in history(store, ref.key) if "ppo/reward_mean" in h]
     assert [h["iteration"] for h in steps] == list(range(1, cfg.num_iterations + 1))
     for k in ("reward_mean", "reward_std", "kl", "entropy", "policy_loss", "value_loss", "clip_fraction",
@@ -184,12 +188,13 @@ def test_ppo_raises_reward_and_true_score_with_bounded_kl(stages):
 # -- distribution ----------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_two_ddp_workers_per_learner_stay_identical(stages):
-    """actor x2 and critic x2 (gloo DDP), all roles colocated in one placement group."""
+    """actor x2 and critic x2 (gloo DDP), all roles colocated in one placement group; the reference
+    in its own `initial` group (ppo.reference separate)."""
     import ray
 
     _, store, data, sft, rm = stages
-    cfg = PPOConfig(rollout_batch_size=16, train_batch_size=4, actor={"num_workers": 2}, critic={"num_workers": 2},
-                    colocate=True)
+    cfg = resolve_placement(PPOConfig(rollout_batch_size=16, train_batch_size=4, actor={"num_workers": 2},
+                                      critic={"num_workers": 2}, colocate=True, reference="separate"), gpus=0)
     tok = load_tokenizer(MODEL, str(store.fetch(data.key) / "tokenizer"))
     prompts = [r["prompt_ids"] for r in read_jsonl(store.fetch(data.key) / "prompts_train.jsonl")]
     pgs = create_placement_groups(cfg)

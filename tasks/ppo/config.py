@@ -7,9 +7,12 @@ that need the environment (ColossalAI installed, GPUs in the Ray cluster) are in
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from tasks.common.model import CHECKPOINT_HELP, CheckpointMode
 
 ROLES = ("actor", "critic", "initial", "reward")
 LEARNERS = ("actor", "critic")
@@ -22,7 +25,7 @@ class RoleConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     num_workers: int = Field(1, gt=0, description="Ray actors in the group (torch.distributed world size).")
-    gpus_per_worker: float = Field(0.0, ge=0.0, description="GPUs per Ray actor; fractions (0.25) let roles share a GPU. 0 on CPU.")
+    gpus_per_worker: float | None = Field(None, ge=0.0, description="GPUs per Ray actor; fractions (0.25) let roles share a GPU. None: chosen for the GPUs there are (`resolve_placement`): 0 without GPUs, else the GPU(s) shared by every role.")
     cpus_per_worker: float = Field(0.5, ge=0.0, description="CPUs Ray reserves per actor (also its torch thread count, at least 1).")
 
 
@@ -36,7 +39,8 @@ class PPOConfig(BaseModel):
     initial: RoleConfig = Field(default_factory=RoleConfig, description="Frozen reference policy for the KL penalty.")
     reward: RoleConfig = Field(default_factory=RoleConfig, description="Frozen reward model.")
     placement: Literal["PACK", "SPREAD", "STRICT_SPREAD", "STRICT_PACK"] = Field("PACK", description="Ray placement-group strategy of each role's bundles (seed: STRICT_SPREAD across nodes).")
-    colocate: bool = Field(False, description="Put all roles' bundles in one placement group (bundle i = worker i of every role) so they share GPUs (one-GPU machines).")
+    colocate: bool | None = Field(None, description="Put all roles' bundles in one placement group (bundle i = worker i of every role) so they share GPUs (one-GPU machines). None: chosen with gpus_per_worker (`resolve_placement`).")
+    reference: Literal["shared", "separate"] = Field("shared", description="The KL reference (the frozen SFT policy): 'shared' = a frozen copy of the SFT adapter on the actor's own base model, run by the actor workers (no second base in memory; the `initial` role group is not started and gets no GPU), 'separate' = the `initial` role group with its own base.")
 
     # -- the PPO loop
     num_iterations: int = Field(30, gt=0, description="Rollout + learn iterations.")
@@ -71,6 +75,7 @@ class PPOConfig(BaseModel):
     stop_strings: list[str] = Field(default_factory=list, description="Strings that also end a response; each must be a single token of the tokenizer (e.g. '<|eot_id|>'), checked before any model loads.")
     fast_generate: Literal["auto", "on", "off"] = Field("auto", description="Rollouts with tasks/ppo/fast_generate.py (static KV cache; CUDA graphs on CUDA): 'auto' = on for CUDA actors of a Llama-family model with strategy 'ddp', 'on' = also on CPU (eager) and an error where it cannot apply, 'off' = the plain loop of tasks/ppo/generation.py.")
 
+    gradient_checkpointing: CheckpointMode = Field("auto", description=CHECKPOINT_HELP + " For the learners (actor, critic).")
     compile: Literal["auto", "on", "off"] = Field("auto", description="torch.compile each transformer block of the learners (actor, critic): fuses the norms, RoPE, activations and casts around the matmuls. 'auto' = on for CUDA roles (the first iteration pays ~1 min of compilation), 'on' = also on CPU, 'off' = eager.")
 
     # -- evaluation, checkpoints, logging
@@ -94,7 +99,7 @@ class PPOConfig(BaseModel):
                 )
         for role in ROLES:
             g = getattr(self, role).gpus_per_worker
-            if g > 1 and g != int(g):
+            if g is not None and g > 1 and g != int(g):
                 raise ValueError(f"ppo.{role}.gpus_per_worker ({g}): above 1 it must be a whole number of GPUs (Ray's rule)")
         if self.fast_generate == "on" and self.strategy != "ddp":
             raise ValueError(
@@ -105,7 +110,7 @@ class PPOConfig(BaseModel):
             raise ValueError(f"ppo.stop_token_ids {self.stop_token_ids}: token ids are >= 0; drop the negative ones")
         if any(not s for s in self.stop_strings):
             raise ValueError(f"ppo.stop_strings {self.stop_strings}: an empty string can never be generated; drop it")
-        if self.device == "cuda" and not any(getattr(self, r).gpus_per_worker for r in ROLES):
+        if self.device == "cuda" and all(getattr(self, r).gpus_per_worker == 0 for r in self.started_roles):
             raise ValueError("ppo.device 'cuda' but every role has gpus_per_worker 0: give roles GPUs (e.g. 0.25 each with colocate) or use device 'auto'")
         return self
 
@@ -113,9 +118,80 @@ class PPOConfig(BaseModel):
         return getattr(self, name)
 
     @property
+    def started_roles(self) -> tuple[str, ...]:
+        """The role groups that get Ray actors: all four, less `initial` with a shared reference."""
+        return tuple(r for r in ROLES if not (r == "initial" and self.reference == "shared"))
+
+    @property
     def num_chunks(self) -> int:
         """Experience chunks per iteration: one per minibatch of train_batch_size."""
         return self.rollout_batch_size // self.train_batch_size
+
+
+def resolve_placement(cfg: PPOConfig, gpus: float) -> PPOConfig:
+    """``cfg`` with every unset ``gpus_per_worker`` / ``colocate`` chosen for ``gpus`` GPUs (a pure
+    function; values written in the config are kept, and ``check_gpu_fit`` judges them).
+
+    No GPU: 0 everywhere, not colocated (as on CPU). As many GPUs as started role workers: one
+    whole GPU per worker. Fewer: every role colocated, each worker 1/(k*c) of a GPU, with k the
+    started roles and c = ceil(max num_workers / gpus): bundle i (worker i of every role) then
+    holds <= 1/c GPU, and c bundles share each GPU. A shared reference's `initial` gets 0.
+    """
+    started = cfg.started_roles
+    workers = sum(cfg.role(r).num_workers for r in started)
+    if gpus <= 0:
+        share, colocate = 0.0, False
+    elif workers <= gpus:
+        share, colocate = 1.0, False
+    else:
+        per_gpu = math.ceil(max(cfg.role(r).num_workers for r in started) / gpus)
+        share, colocate = math.floor(1e4 / (len(started) * per_gpu)) / 1e4, True  # Ray keeps 4 decimals
+    data = cfg.model_dump()
+    for r in ROLES:
+        if data[r]["gpus_per_worker"] is None:
+            data[r]["gpus_per_worker"] = share if r in started else 0.0
+    if data["colocate"] is None:
+        data["colocate"] = colocate
+    return PPOConfig.model_validate(data)
+
+
+def gpus_needed(cfg: PPOConfig) -> int:
+    """Whole GPUs the roles' reservations need as Ray places them (``cfg`` resolved): a colocated
+    bundle (worker i of every role) or a worker is one item; items of 1 GPU or more take whole
+    GPUs, fractions pack first-fit-decreasing onto shared ones. 0 when no role asks for a GPU."""
+    if cfg.colocate:
+        n = max(cfg.role(r).num_workers for r in ROLES)
+        items = [sum(cfg.role(r).gpus_per_worker for r in ROLES if cfg.role(r).num_workers > i) for i in range(n)]
+    else:
+        items = [cfg.role(r).gpus_per_worker for r in ROLES for _ in range(cfg.role(r).num_workers)]
+    whole = sum(math.ceil(g - 1e-9) for g in items if g >= 1 - 1e-9)
+    bins: list[float] = []
+    for g in sorted((g for g in items if 0 < g < 1 - 1e-9), reverse=True):
+        fit = next((i for i, used in enumerate(bins) if used + g <= 1 + 1e-9), None)
+        if fit is None:
+            bins.append(g)
+        else:
+            bins[fit] += g
+    return whole + len(bins)
+
+
+def check_gpu_fit(cfg: PPOConfig, gpus: float, where: str) -> None:
+    """The resolved roles' GPU reservations fit on ``gpus`` GPUs (``where`` names them)."""
+    if cfg.colocate:
+        for i in range(max(cfg.role(r).num_workers for r in ROLES)):
+            b = sum(cfg.role(r).gpus_per_worker for r in ROLES if cfg.role(r).num_workers > i)
+            if b > 1 and b != int(b):
+                raise ValueError(
+                    f"ppo.colocate: bundle {i} (worker {i} of every role) asks for {b:g} GPUs, which is neither a "
+                    "fraction of one GPU nor whole GPUs: make ppo.<role>.gpus_per_worker of the roles sum to <= 1 "
+                    "(e.g. 0.25 each), or leave them unset to have them chosen")
+    need = gpus_needed(cfg)
+    if need > gpus:
+        asked = ", ".join(f"{r} {cfg.role(r).num_workers}x{cfg.role(r).gpus_per_worker:g}" for r in ROLES)
+        raise ValueError(
+            f"ppo roles need {need} GPU(s) as placed ({asked}; colocate={cfg.colocate}; fractions sharing a GPU "
+            f"sum to <= 1) but {where} has {gpus:g}: lower ppo.<role>.gpus_per_worker or ppo.<role>.num_workers, "
+            f"or leave gpus_per_worker and colocate unset to have them chosen for {gpus:g} GPU(s)")
 
 
 def _multiple(n: int, k: int) -> int:

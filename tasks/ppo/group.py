@@ -16,6 +16,7 @@ import os
 from typing import Any
 
 from tasks.common.dist import free_port, init_distributed, node_ip, placement_bundles
+from tasks.common.model import transformer_blocks
 from tasks.ppo.config import ROLES, PPOConfig, RoleConfig
 
 
@@ -158,25 +159,20 @@ class DistributedWorker:
         init_distributed(self.rank, self.world_size, addr, port, backend="nccl" if self.device == "cuda" else "gloo")
 
     def memory_stats(self) -> dict[str, float]:
-        """Peak and current GPU memory this actor's torch allocated, in GiB (empty on CPU)."""
+        """This actor's peak memory in GiB: on CUDA what its torch allocated and reserved
+        (``torch.cuda.max_memory_allocated``), on CPU the process's peak resident set size."""
+        import resource
+
         import torch
 
         if self.device != "cuda":
-            return {}
+            return {"peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}  # KiB on Linux
         return {"peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
                 "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
                 "allocated_gib": torch.cuda.memory_allocated() / 2**30}
 
 
 # ----------------------------------------------------------------------------- strategies
-
-def shard_units(model) -> list:
-    """Modules FSDP2 shards one by one: the transformer blocks (``_no_split_modules``)."""
-    names = set()
-    for m in model.modules():
-        names.update(getattr(m, "_no_split_modules", None) or [])
-    return [m for m in model.modules() if type(m).__name__ in names]
-
 
 def compile_blocks(model) -> int:
     """Regional compilation: ``torch.compile`` every transformer block of ``model`` in place.
@@ -186,7 +182,7 @@ def compile_blocks(model) -> int:
     stay eager. Forwards must pass ``use_cache=False``: a KV cache's per-layer index would force
     one compile per layer. Returns the number of blocks compiled.
     """
-    blocks = shard_units(model)
+    blocks = transformer_blocks(model)
     for block in blocks:
         block.compile()
     return len(blocks)
@@ -215,7 +211,7 @@ def wrap_learner(model, lr: float, strategy: str, device: str):
     if strategy == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
-        for unit in shard_units(model):
+        for unit in transformer_blocks(model):
             fully_shard(unit)
         fully_shard(model)
         return model, torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=lr), model

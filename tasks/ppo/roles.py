@@ -10,6 +10,13 @@ with ``FastGenerator`` (static KV cache, the whole decode step as a CUDA graph) 
 of its weights with the LoRA adapter merged in, re-filled in place before every rollout, so an
 optimizer step is seen by the next rollout; else the plain loop.
 
+The KL reference with ``ppo.reference`` 'shared' (default): the actor loads the SFT adapter a
+second time, frozen, as adapter ``reference`` on its own base, and ``reference_logprobs`` runs
+the forward with that adapter active (``_active_adapter``): the base weights are in memory once
+and only the adapter's weights are doubled. Before the first update the two adapters are equal
+and the forward is the same code, so the KL is exactly 0. (Disabling the adapter, as TRL does,
+would give the pretrained base, not the SFT policy this pipeline starts PPO from.)
+
 Learners run in eval mode: dropout (the SFT adapter's LoRA dropout) stays off, so log-probs at
 learning time match the rollout's (TRL disables dropout in PPO for the same reason).
 
@@ -21,6 +28,7 @@ the learners' transformer blocks are ``torch.compile``d.
 from __future__ import annotations
 
 import random
+from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
@@ -28,6 +36,7 @@ from torch import Tensor
 
 from storage.store import ArtifactRef
 from tasks.common.loop import autocast
+from tasks.common.model import checkpoint_blocks
 from tasks.ppo.config import PPOConfig
 from tasks.ppo.fast_generate import fast_generate_applies
 from tasks.ppo.group import DistributedWorker, agree_finished, compile_blocks, full_state, load_full_state, wants_compile, wrap_learner
@@ -75,6 +84,26 @@ def _digest(weights: dict) -> float:
     return float(sum((v.double() * (i + 1)).sum() for i, (_, v) in enumerate(sorted(weights.items()))))
 
 
+REFERENCE_ADAPTER = "reference"
+
+
+@contextmanager
+def active_adapter(model, name: str):
+    """Run ``model``'s LoRA layers with adapter ``name`` only, leaving ``requires_grad`` as it is
+    (PEFT's ``set_adapter`` would make that adapter trainable and freeze the others)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    before = [m._active_adapter for m in layers]
+    for m in layers:
+        m._active_adapter = [name]
+    try:
+        yield
+    finally:
+        for m, b in zip(layers, before):
+            m._active_adapter = b
+
+
 class _LearnerMixin:
     """Shared by the two learners: optimizer step and state for checkpoints."""
 
@@ -112,7 +141,11 @@ class PolicyWorker(_LearnerMixin, DistributedWorker):
 
         self.ppo, self.pad_id, self.stop_ids = ppo, pad_id, stop_ids
         base = load_causal_lm(model_cfg, self.device)
-        peft = PeftModel.from_pretrained(base, str(store.fetch(sft) / "adapter"), is_trainable=True).eval()
+        adapter = str(store.fetch(sft) / "adapter")
+        peft = PeftModel.from_pretrained(base, adapter, is_trainable=True).eval()
+        if ppo.reference == "shared":  # the frozen SFT policy for the KL, on the same base (module docstring)
+            peft.load_adapter(adapter, adapter_name=REFERENCE_ADAPTER, is_trainable=False)
+        checkpoint_blocks(peft, ppo.gradient_checkpointing, self.device)
         if wants_compile(ppo.compile, self.device):
             compile_blocks(peft)
         self.model, self.optim, self.infer_model = wrap_learner(peft, ppo.actor_lr, self.strategy, self.device)
@@ -178,6 +211,16 @@ class PolicyWorker(_LearnerMixin, DistributedWorker):
                                         rollout.action_mask.shape[1], self.ppo.temperature)
         return logp.cpu(), ent.cpu()
 
+    @torch.no_grad()
+    def reference_logprobs(self, rollout) -> Tensor:
+        """Log-probs of the rollout's actions under the frozen SFT adapter (``ppo.reference`` 'shared')."""
+        from tasks.ppo.generation import forward_actions
+
+        with active_adapter(self.infer_model, REFERENCE_ADAPTER), autocast(self.device):
+            logp, _ = forward_actions(self.infer_model, rollout.sequences.to(self.device), rollout.attention_mask.to(self.device),
+                                      rollout.action_mask.shape[1], self.ppo.temperature)
+        return logp.cpu()
+
     def learn(self, *experience: Experience) -> dict[str, float]:
         """ppo_epochs passes over this rank's minibatches, one optimizer step each."""
         from tasks.ppo.generation import action_logprobs
@@ -219,7 +262,7 @@ class PolicyWorker(_LearnerMixin, DistributedWorker):
         if self.rank != 0:
             return None
         with tempfile.TemporaryDirectory() as tmp:
-            self.infer_model.save_pretrained(tmp, state_dict=weights)
+            self.infer_model.save_pretrained(tmp, state_dict=weights, selected_adapters=["default"])
             return {p.name: p.read_bytes() for p in Path(tmp).iterdir() if p.is_file()}
 
 
@@ -236,7 +279,7 @@ class ReferenceWorker(DistributedWorker):
         self.model = PeftModel.from_pretrained(base, str(store.fetch(sft) / "adapter")).eval().requires_grad_(False)
 
     @torch.no_grad()
-    def logprobs(self, rollout) -> Tensor:
+    def reference_logprobs(self, rollout) -> Tensor:
         from tasks.ppo.generation import action_logprobs
 
         with autocast(self.device):
@@ -282,6 +325,7 @@ class CriticWorker(_LearnerMixin, DistributedWorker):
         self.ppo = ppo
         rm = load_reward_model(str(store.fetch(rm)), device=self.device).eval()
         rm.requires_grad_(True)
+        checkpoint_blocks(rm, ppo.gradient_checkpointing, self.device)
         if wants_compile(ppo.compile, self.device):
             compile_blocks(rm)
         self.model, self.optim, self.infer_model = wrap_learner(_Values(rm), ppo.critic_lr, self.strategy, self.device)

@@ -22,7 +22,7 @@ from tasks.common.builtin import score_response
 from tasks.common.model import ModelConfig, check_model_exists, load_tokenizer, model_stop_ids
 from tasks.data.dataset import read_jsonl
 from tasks.ppo.checkpoint import latest_checkpoint, load_checkpoint, publish_final, save_checkpoint
-from tasks.ppo.config import LEARNERS, ROLES, PPOConfig
+from tasks.ppo.config import LEARNERS, PPOConfig, check_gpu_fit, resolve_placement
 from tasks.ppo.fast_generate import check_fast_generate
 from tasks.ppo.group import RoleGroup, check_cluster, create_placement_groups, role_device
 
@@ -51,7 +51,8 @@ def check_ppo(cfg: PPOConfig) -> None:
                 f"ppo.strategy {cfg.strategy!r} needs ColossalAI: pip install --no-deps colossalai==0.5.0 einops "
                 f"contexttimer (CUDA only); or use ppo.strategy 'ddp' / 'fsdp' ({type(e).__name__}: {e})"
             ) from None
-        if not all(cfg.role(r).gpus_per_worker > 0 for r in LEARNERS) or cfg.device == "cpu":
+        # unset (None) GPUs are chosen later, for the GPUs there are; 0 written is CPU
+        if any(cfg.role(r).gpus_per_worker == 0 for r in LEARNERS) or cfg.device == "cpu":
             raise ValueError(
                 f"ppo.strategy {cfg.strategy!r} needs CUDA (ColossalAI's LowLevelZero and Gemini plugins do not run on "
                 "CPU): give ppo.actor and ppo.critic gpus_per_worker > 0, or use ppo.strategy 'ddp' / 'fsdp' on CPU"
@@ -133,10 +134,16 @@ def train_ppo(cfg: PPOConfig, model: ModelConfig, store: ArtifactStore, data: Ar
         raise ValueError(f"ppo.ptx_coef ({cfg.ptx_coef}) > 0 but the dataset's ptx_train.jsonl is empty: set data.ptx_path or ppo.ptx_coef 0")
     if not ray.is_initialized():
         ray.init(address=os.environ.get("RAY_ADDRESS"))
+    gpus = ray.cluster_resources().get("GPU", 0.0)
+    cfg = resolve_placement(cfg, gpus)
+    check_ppo(cfg)
     check_cluster(cfg)
+    check_gpu_fit(cfg, gpus, "the Ray cluster")
+    placement = placement_summary(cfg, gpus)
+    log.info("ppo placement: %s", describe_placement(placement))
 
     inputs = {"data": data, "sft": sft, "rm": rm}
-    config = {"ppo": cfg.model_dump(mode="json"), "model": model.identity(), "seed": seed}
+    config = {"ppo": cfg.model_dump(mode="json"), "model": model.identity(), "seed": seed, "placement": placement}
     pgs, groups = create_placement_groups(cfg), {}
     try:
         groups = start_roles(cfg, model, store, data, sft, rm, seed, tokenizer, pgs, stop_ids)
@@ -166,11 +173,42 @@ def train_ppo(cfg: PPOConfig, model: ModelConfig, store: ArtifactStore, data: Ar
             if on_iteration is not None:
                 on_iteration(it, metrics)
         adapter = ray.get([w.adapter_files.remote() for w in groups["actor"].workers])[0]
-        ref = publish_final(store, key, adapter, data_dir / "tokenizer", history, _summary(history), config, inputs)
+        memory = peak_memory(groups)
+        log.info("ppo peak memory per role (GiB, max over ranks): %s", ", ".join(f"{k.split('/', 1)[1]} {v:.2f}" for k, v in memory.items()))
+        ref = publish_final(store, key, adapter, data_dir / "tokenizer", history, {**_summary(history), **memory}, config, inputs)
         log.info("ppo: published %s", ref.uri)
         return ref
     finally:
         stop_roles(groups, pgs)
+
+
+def placement_summary(cfg: PPOConfig, gpus: float) -> dict:
+    """Where the roles run (``cfg`` resolved), for the log and the manifest."""
+    from tasks.ppo.group import role_device
+
+    roles = {r: {"num_workers": cfg.role(r).num_workers, "gpus_per_worker": cfg.role(r).gpus_per_worker,
+                 "cpus_per_worker": cfg.role(r).cpus_per_worker, "device": role_device(cfg, r)} for r in cfg.started_roles}
+    return {"cluster_gpus": gpus, "colocate": cfg.colocate, "reference": cfg.reference, "roles": roles}
+
+
+def peak_memory(groups: dict[str, RoleGroup]) -> dict[str, float]:
+    """``memory/<role>/<stat>``: each role's peak memory, the largest over its ranks (GiB; CUDA:
+    ``torch.cuda.max_memory_allocated`` / reserved, CPU: peak RSS of the worker process)."""
+    import ray
+
+    out = {}
+    for role, g in groups.items():
+        for stats in ray.get([w.memory_stats.remote() for w in g.workers]):
+            for k, v in stats.items():
+                out[f"memory/{role}/{k}"] = max(v, out.get(f"memory/{role}/{k}", 0.0))
+    return out
+
+
+def describe_placement(p: dict) -> str:
+    roles = ", ".join(f"{r} {v['num_workers']}x({v['gpus_per_worker']:g} GPU, {v['cpus_per_worker']:g} CPU, {v['device']})"
+                      for r, v in p["roles"].items())
+    ref = "initial: the actor's base with a frozen SFT adapter" if p["reference"] == "shared" else "initial: its own group"
+    return f"{roles}; colocate={p['colocate']}; {ref}; cluster GPUs {p['cluster_gpus']:g}"
 
 
 def _kl_controller(cfg: PPOConfig):
@@ -187,11 +225,11 @@ def start_roles(cfg, model, store, data, sft, rm, seed, tokenizer, pgs, stop_ids
     from tasks.ppo.roles import CriticWorker, PolicyWorker, ReferenceWorker, RewardWorker
 
     classes = {"actor": PolicyWorker, "critic": CriticWorker, "initial": ReferenceWorker, "reward": RewardWorker}
-    groups = {r: RoleGroup(r, classes[r], cfg.role(r), pgs[r], cfg.strategy, seed, role_device(cfg, r)) for r in ROLES}
+    groups = {r: RoleGroup(r, classes[r], cfg.role(r), pgs[r], cfg.strategy, seed, role_device(cfg, r)) for r in cfg.started_roles}
     ray.get([ref for g in groups.values() for ref in g.connect()])
     # refs, not keys: every worker's fetch checks that the store holds the content PPO was keyed on
     loads = [w.load.remote(model, store, sft, data, cfg, tokenizer.pad_token_id, stop_ids) for w in groups["actor"].workers]
-    loads += [w.load.remote(model, store, sft, cfg) for w in groups["initial"].workers]
+    loads += [w.load.remote(model, store, sft, cfg) for w in (groups["initial"].workers if "initial" in groups else [])]
     loads += [w.load.remote(store, rm) for w in groups["reward"].workers]
     loads += [w.load.remote(store, rm, cfg) for w in groups["critic"].workers]
     ray.get(loads)
@@ -220,10 +258,12 @@ class PPORun:
         self.make_experience = ray.remote(make_experience)
 
     def _score(self, rollouts: list) -> tuple[list, list, list]:
-        """(policy (logp, entropy), reference logp, reward score) refs, chunk j to worker j % n."""
+        """(policy (logp, entropy), reference logp, reward score) refs, chunk j to worker j % n. The
+        reference is the `initial` group's, or with ``ppo.reference`` 'shared' the actor's."""
         g = self.g
+        reference = g.get("initial", g["actor"])
         return ([g["actor"].deal(j).logprobs.remote(r) for j, r in enumerate(rollouts)],
-                [g["initial"].deal(j).logprobs.remote(r) for j, r in enumerate(rollouts)],
+                [reference.deal(j).reference_logprobs.remote(r) for j, r in enumerate(rollouts)],
                 [g["reward"].deal(j).score.remote(r) for j, r in enumerate(rollouts)])
 
     def iteration(self, it: int, prompts: list[list[int]], kl_ctl) -> dict:

@@ -74,9 +74,10 @@ def build_reward_model(model_cfg, device: str = "cpu", lora=None) -> RewardModel
 
     from tasks.common.model import torch_dtype
 
-    # 'auto' keeps fp32 master weights here (autocast gives bf16 compute on CUDA): AdamW on bf16
-    # parameters of a full-parameter model loses small updates.
-    dtype = torch.float32 if model_cfg.dtype == "auto" else torch_dtype(model_cfg, device)
+    # 'auto' keeps fp32 master weights for full-parameter training (autocast gives bf16 compute on
+    # CUDA): AdamW on bf16 parameters loses small updates. With LoRA the frozen body is bf16 on
+    # CUDA; PEFT keeps the adapter weights (and so their optimizer state) in fp32.
+    dtype = torch.float32 if model_cfg.dtype == "auto" and lora is None else torch_dtype(model_cfg, device)
     body = AutoModel.from_pretrained(model_cfg.path(), revision=model_cfg.revision, dtype=dtype,
                                      trust_remote_code=model_cfg.trust_remote_code)
     if lora is not None:
