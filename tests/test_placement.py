@@ -31,6 +31,9 @@ def test_one_gpu_sft_and_rm_share_it_and_ppo_roles_colocate():
     # shared reference (default): three started roles; `initial` reserves no GPU
     assert shares(cfg.ppo) == {"actor": 0.3333, "critic": 0.3333, "initial": 0.0, "reward": 0.3333}
     assert cfg.ppo.colocate is True and gpus_needed(cfg.ppo) == 1
+    # a LoRA critic serving the reward model too: two started roles, half a GPU each
+    lora = resolve_placement(PPOConfig(critic_lora_rank=8), 1)
+    assert lora.started_roles == ("actor", "critic") and shares(lora) == {"actor": 0.5, "critic": 0.5, "initial": 0.0, "reward": 0.0}
     sep = resolve_placement(PPOConfig(reference="separate"), 1)
     assert shares(sep) == dict.fromkeys(ROLES, 0.25) and sep.started_roles == ROLES
     print(f"\n{describe_resources(cfg, 1)}")

@@ -290,3 +290,49 @@ def test_resume_after_interruption_equals_uninterrupted_run(stages, tmp_path):
     # the adaptive controller moved and was restored
     coefs = [h["ppo/kl_coef"] for h in hb if "ppo/kl_coef" in h]
     assert len(set(coefs)) == 4
+
+
+# -- memory for real sizes: a LoRA critic that also serves the reward model --------------------------
+@pytest.mark.slow
+def test_lora_critic_serves_the_reward_model_from_its_base(stages, tmp_path):
+    """ppo.critic_lora_rank: the critic is a LoRA adapter + value head on the frozen reward-model
+    body; with reward_model 'shared' it also scores (adapter disabled, the reward head as loaded),
+    equal to the separate reward role's scores, and only actor and critic groups start."""
+    import ray
+    from safetensors.torch import load_file
+
+    from tasks.ppo.generation import Rollout
+    from tasks.ppo.group import RoleGroup
+    from tasks.ppo.roles import CriticWorker, RewardWorker
+
+    _, _, data, sft, rm = stages
+    store = copy_store(stages, tmp_path)
+    cfg = PPOConfig(num_iterations=2, checkpoint_every=1, eval_every=2, rollout_batch_size=8, train_batch_size=8,
+                    max_new_tokens=8, eval_prompts=8, critic_lora_rank=8, critic_lr=5e-3)
+    placed = resolve_placement(cfg, 0)
+    pg = ray.util.placement_group([{"CPU": 1.0}, {"CPU": 1.0}])
+    ray.get(pg.ready())
+    groups = {}
+    try:
+        groups = {"critic": RoleGroup("critic", CriticWorker, placed.critic, pg, "ddp", SEED, "cpu"),
+                  "reward": RoleGroup("reward", RewardWorker, placed.reward, pg, "ddp", SEED, "cpu")}
+        ray.get([r for g in groups.values() for r in g.connect()])
+        ray.get([groups["critic"].workers[0].load.remote(store, rm, placed), groups["reward"].workers[0].load.remote(store, rm)])
+        ids = torch.randint(3, 400, (4, 12), generator=torch.Generator().manual_seed(0))
+        mask = torch.ones_like(ids)
+        mask[1, :4] = 0
+        ro = Rollout(ids, mask, torch.ones(4, 6), torch.ones(4, dtype=torch.bool))
+        shared, separate = ray.get([groups["critic"].workers[0].score.remote(ro), groups["reward"].workers[0].score.remote(ro)])
+        assert torch.equal(shared, separate), (shared, separate)
+    finally:
+        stop_roles(groups, {"pg": pg})
+
+    ref = train_ppo(cfg, MODEL, store, data, sft, rm, SEED)
+    manifest = store.manifest(ref.key)
+    assert set(manifest["config"]["placement"]["roles"]) == {"actor", "critic"}
+    ckpt = store.fetch(latest_checkpoint(store, ref.key))
+    critic = load_file(str(ckpt / "critic" / "weights.safetensors"))
+    assert critic and all("lora_" in k or ".head." in k for k in critic), sorted(critic)[:5]
+    steps = [h for h in history(store, ref.key) if "ppo/value_loss" in h]
+    assert len(steps) == 2 and all(torch.isfinite(torch.tensor(h["ppo/value_loss"])) for h in steps)
+    print(f"\nLoRA critic: {len(critic)} trainable tensors checkpointed; value loss {[h['ppo/value_loss'] for h in steps]}")

@@ -6,7 +6,7 @@ needs to continue at exactly that iteration:
     actor/weights.safetensors   trainable (LoRA) weights, full, keyed by parameter name
     actor/optimizer.pt          optimizer state (full; torch.save, loads with weights_only=True)
     actor/rng-rank<r>.pt        each rank's torch / python / sampling RNG states
-    critic/...                  the same for the critic (all its weights are trainable)
+    critic/...                  the same for the critic (its trainable weights: all, or the LoRA adapter and the value head)
     driver.json                 iteration, prompt-sampler position, KL controller, metrics so far
 
 Workers hand their state to the driver, which writes and publishes (so it works when the

@@ -48,7 +48,10 @@ class PPOConfig(BaseModel):
     train_batch_size: int = Field(8, gt=0, description="Minibatch per learner worker of one optimizer step; actor/critic num_workers x train_batch_size must divide rollout_batch_size.")
     ppo_epochs: int = Field(2, gt=0, description="Passes over each rollout.")
     actor_lr: float = Field(5e-4, gt=0.0, description="Actor (LoRA) learning rate (tuned for the built-in model; seed: 5e-6 for real models).")
-    critic_lr: float = Field(1e-3, gt=0.0, description="Critic (full-parameter) learning rate.")
+    critic_lr: float = Field(1e-3, gt=0.0, description="Critic learning rate (tuned for the full-parameter critic of the built-in model).")
+    critic_lora_rank: int = Field(0, ge=0, description="0: full-parameter critic (fp32 weights, gradients and Adam state: ~16 bytes a parameter). >0: a LoRA adapter of this rank on the reward model's body, frozen (bf16 on CUDA), plus the value head in full; the memory of one bf16 body. Off by default: critic_lr is tuned for the full-parameter critic.")
+    critic_lora_alpha: float = Field(32, gt=0, description="LoRA alpha of the critic (critic_lora_rank > 0).")
+    reward_model: Literal["shared", "separate"] = Field("shared", description="With a LoRA critic (critic_lora_rank > 0), 'shared': the critic workers also score, with their adapter disabled (the reward model's own body) and a frozen copy of the reward head, so the body is in memory once and the `reward` role group is not started. 'separate', and always with a full-parameter critic: the `reward` role group.")
     max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient norm clip of both learners.")
     eps_clip: float = Field(0.2, gt=0.0, description="PPO ratio clip (seed 0.2).")
     value_clip: float | None = Field(0.4, gt=0.0, description="Value clip around the rollout's values (seed 0.4); None: unclipped.")
@@ -119,8 +122,15 @@ class PPOConfig(BaseModel):
 
     @property
     def started_roles(self) -> tuple[str, ...]:
-        """The role groups that get Ray actors: all four, less `initial` with a shared reference."""
-        return tuple(r for r in ROLES if not (r == "initial" and self.reference == "shared"))
+        """The role groups that get Ray actors: all four, less `initial` with a shared reference
+        and `reward` when the critic serves it."""
+        return tuple(r for r in ROLES if not (r == "initial" and self.reference == "shared")
+                     and not (r == "reward" and self.reward_on_critic))
+
+    @property
+    def reward_on_critic(self) -> bool:
+        """The critic workers serve the frozen reward model (``reward_model`` 'shared', LoRA critic)."""
+        return self.critic_lora_rank > 0 and self.reward_model == "shared"
 
     @property
     def num_chunks(self) -> int:
@@ -135,7 +145,7 @@ def resolve_placement(cfg: PPOConfig, gpus: float) -> PPOConfig:
     No GPU: 0 everywhere, not colocated (as on CPU). As many GPUs as started role workers: one
     whole GPU per worker. Fewer: every role colocated, each worker 1/(k*c) of a GPU, with k the
     started roles and c = ceil(max num_workers / gpus): bundle i (worker i of every role) then
-    holds <= 1/c GPU, and c bundles share each GPU. A shared reference's `initial` gets 0.
+    holds <= 1/c GPU, and c bundles share each GPU. Roles that are not started (a shared reference's `initial`, a reward model the critic serves) get 0.
     """
     started = cfg.started_roles
     workers = sum(cfg.role(r).num_workers for r in started)

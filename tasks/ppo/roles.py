@@ -317,20 +317,48 @@ class _Values(torch.nn.Module):
 
 
 class CriticWorker(_LearnerMixin, DistributedWorker):
-    """Value model initialised from the reward model (full parameters); learns the returns."""
+    """Value model initialised from the reward model; learns the returns. Full parameters, or with
+    ``ppo.critic_lora_rank`` a LoRA adapter on the frozen body (bf16 on CUDA) + the value head;
+    then with ``ppo.reward_model`` 'shared' it also serves the reward model's scores (``score``)."""
 
     def load(self, store, rm: ArtifactRef, ppo: PPOConfig) -> None:
+        import copy
+
         from tasks.rm.model import load_reward_model
 
         self.ppo = ppo
-        rm = load_reward_model(str(store.fetch(rm)), device=self.device).eval()
-        rm.requires_grad_(True)
+        # built on the CPU and moved once: an 8B body is cast to bf16 before it reaches the GPU
+        rm = load_reward_model(str(store.fetch(rm)), device="cpu").eval()
+        if ppo.critic_lora_rank:
+            from peft import LoraConfig, get_peft_model
+
+            from tasks.sft.lora import resolve_target_modules
+
+            self.reward_head = copy.deepcopy(rm.head).requires_grad_(False).to(self.device)  # fp32, as trained
+            rm.requires_grad_(False)
+            if self.device == "cuda":
+                rm.body.to(torch.bfloat16)
+            targets = resolve_target_modules("auto", rm.body, field="ppo.critic_lora_rank")
+            rm.body = get_peft_model(rm.body, LoraConfig(r=ppo.critic_lora_rank, lora_alpha=ppo.critic_lora_alpha,
+                                                         target_modules=targets, task_type="FEATURE_EXTRACTION"))
+            rm.head.requires_grad_(True)
+        else:
+            rm.requires_grad_(True)
+        rm.to(self.device)
         checkpoint_blocks(rm, ppo.gradient_checkpointing, self.device)
         if wants_compile(ppo.compile, self.device):
             compile_blocks(rm)
         self.model, self.optim, self.infer_model = wrap_learner(_Values(rm), ppo.critic_lr, self.strategy, self.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.learn_gen = torch.Generator().manual_seed(self.seed * 7919 + 202 + self.rank)
+
+    @torch.no_grad()
+    def score(self, rollout) -> Tensor:
+        """The frozen reward model's score (``ppo.reward_model`` 'shared'): this worker's body with
+        the LoRA adapter disabled, which is the reward model's body, and its head as loaded."""
+        rm = self.infer_model.rm
+        with rm.body.disable_adapter(), autocast(self.device):
+            return rm(rollout.sequences.to(self.device), rollout.attention_mask.to(self.device), head=self.reward_head).float().cpu()
 
     def _generators(self):
         return (self.learn_gen,)

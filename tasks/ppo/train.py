@@ -208,7 +208,8 @@ def describe_placement(p: dict) -> str:
     roles = ", ".join(f"{r} {v['num_workers']}x({v['gpus_per_worker']:g} GPU, {v['cpus_per_worker']:g} CPU, {v['device']})"
                       for r, v in p["roles"].items())
     ref = "initial: the actor's base with a frozen SFT adapter" if p["reference"] == "shared" else "initial: its own group"
-    return f"{roles}; colocate={p['colocate']}; {ref}; cluster GPUs {p['cluster_gpus']:g}"
+    reward = "reward: the critic's base, adapter disabled" if "reward" not in p["roles"] else "reward: its own group"
+    return f"{roles}; colocate={p['colocate']}; {ref}; {reward}; cluster GPUs {p['cluster_gpus']:g}"
 
 
 def _kl_controller(cfg: PPOConfig):
@@ -230,7 +231,7 @@ def start_roles(cfg, model, store, data, sft, rm, seed, tokenizer, pgs, stop_ids
     # refs, not keys: every worker's fetch checks that the store holds the content PPO was keyed on
     loads = [w.load.remote(model, store, sft, data, cfg, tokenizer.pad_token_id, stop_ids) for w in groups["actor"].workers]
     loads += [w.load.remote(model, store, sft, cfg) for w in (groups["initial"].workers if "initial" in groups else [])]
-    loads += [w.load.remote(store, rm) for w in groups["reward"].workers]
+    loads += [w.load.remote(store, rm) for w in (groups["reward"].workers if "reward" in groups else [])]
     loads += [w.load.remote(store, rm, cfg) for w in groups["critic"].workers]
     ray.get(loads)
     return groups
@@ -259,12 +260,13 @@ class PPORun:
 
     def _score(self, rollouts: list) -> tuple[list, list, list]:
         """(policy (logp, entropy), reference logp, reward score) refs, chunk j to worker j % n. The
-        reference is the `initial` group's, or with ``ppo.reference`` 'shared' the actor's."""
+        reference is the `initial` group's, or with ``ppo.reference`` 'shared' the actor's; the score the
+        `reward` group's, or the critic's when it serves the reward model (``ppo.reward_model``)."""
         g = self.g
-        reference = g.get("initial", g["actor"])
+        reference, reward = g.get("initial", g["actor"]), g.get("reward", g["critic"])
         return ([g["actor"].deal(j).logprobs.remote(r) for j, r in enumerate(rollouts)],
                 [reference.deal(j).reference_logprobs.remote(r) for j, r in enumerate(rollouts)],
-                [g["reward"].deal(j).score.remote(r) for j, r in enumerate(rollouts)])
+                [reward.deal(j).score.remote(r) for j, r in enumerate(rollouts)])
 
     def iteration(self, it: int, prompts: list[list[int]], kl_ctl) -> dict:
         import ray
