@@ -269,8 +269,9 @@ def test_resume_after_interruption_equals_uninterrupted_run(stages, tmp_path):
         train_ppo(cfg, MODEL, broken, data, sft, rm, SEED, on_iteration=stop_at_2)
     assert not broken.exists(key)
     assert latest_checkpoint(broken, key) == f"{key}-ckpt/iter-000002"
-    ckpt = broken.fetch(latest_checkpoint(broken, key))
-    torch.load(ckpt / "actor" / "optimizer.pt", weights_only=True)
+    shards = broken.manifest(latest_checkpoint(broken, key))["shards"]
+    assert shards == {r: [f"{key}-ckpt/shards-000002/{r}-rank0"] for r in ("actor", "critic")}  # written by the workers
+    torch.load(broken.fetch(shards["actor"][0]) / "optimizer.pt", weights_only=True)
     seen = []
     ref_b = train_ppo(cfg, MODEL, broken, data, sft, rm, SEED, on_iteration=lambda it, m: seen.append(it))
     assert seen == [3, 4]  # resumed at exactly iteration 2
@@ -330,8 +331,8 @@ def test_lora_critic_serves_the_reward_model_from_its_base(stages, tmp_path):
     ref = train_ppo(cfg, MODEL, store, data, sft, rm, SEED)
     manifest = store.manifest(ref.key)
     assert set(manifest["config"]["placement"]["roles"]) == {"actor", "critic"}
-    ckpt = store.fetch(latest_checkpoint(store, ref.key))
-    critic = load_file(str(ckpt / "critic" / "weights.safetensors"))
+    shard = store.manifest(latest_checkpoint(store, ref.key))["shards"]["critic"][0]
+    critic = load_file(str(store.fetch(shard) / "weights.safetensors"))
     assert critic and all("lora_" in k or ".head." in k for k in critic), sorted(critic)[:5]
     steps = [h for h in history(store, ref.key) if "ppo/value_loss" in h]
     assert len(steps) == 2 and all(torch.isfinite(torch.tensor(h["ppo/value_loss"])) for h in steps)

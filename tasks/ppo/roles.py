@@ -113,12 +113,22 @@ class _LearnerMixin:
         self.optim.step()
         self.optim.zero_grad(set_to_none=True)
 
-    def state(self) -> dict:
-        """{'weights', 'optim', 'rng'}: full trainable weights and optimizer state (rank 0's are
-        complete; collective for sharded strategies) and this rank's RNG states."""
+    def save_checkpoint(self, store, key: str, iteration: int) -> dict:
+        """Write this rank's shard of the checkpoint straight to the store (``tasks.ppo.checkpoint``):
+        rank 0 the full trainable weights and optimizer state (collective for sharded strategies:
+        every rank calls it), every rank its RNG states. Returns the shard's ref as a dict."""
+        from tasks.ppo.checkpoint import write_shard
+
         weights, optim = full_state(self.model, self.optim)
-        return {"weights": weights if self.rank == 0 else None, "optim": optim if self.rank == 0 else None,
-                "rng": _rng_state(*self._generators())}
+        ref = write_shard(store, key, iteration, self.role, self.rank, weights if self.rank == 0 else None,
+                          optim if self.rank == 0 else None, _rng_state(*self._generators()))
+        return ref.model_dump(mode="json")
+
+    def load_checkpoint(self, store, full: ArtifactRef, mine: ArtifactRef) -> None:
+        """Restore from rank 0's shard (weights, optimizer) and this rank's (RNG), read from the store."""
+        from tasks.ppo.checkpoint import read_shard
+
+        self.load_state(**read_shard(store, full, mine))
 
     def load_state(self, weights: dict, optim: dict, rng: dict) -> None:
         load_full_state(self.model, weights, self.optim, optim)

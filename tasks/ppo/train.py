@@ -3,8 +3,9 @@
 ``train_ppo`` knows nothing of Prefect. The driver only samples prompts and moves object refs:
 rollouts go from the actor workers straight to the other roles, experience is made in a Ray
 task, and each learner rank receives its share of experience refs (``refs[i::n]``). Every
-``checkpoint_every`` iterations a checkpoint artifact is published; a new run with the same key
-resumes from the newest one. See tasks/ppo/checkpoint.py for what they hold.
+``checkpoint_every`` iterations every learner rank writes its shard of a checkpoint to the store
+and the driver publishes the checkpoint over them; a new run with the same key resumes from the
+newest one. See tasks/ppo/checkpoint.py for what they hold.
 """
 
 from __future__ import annotations
@@ -153,8 +154,8 @@ def train_ppo(cfg: PPOConfig, model: ModelConfig, store: ArtifactStore, data: Ar
         history: list[dict] = []
         start = 0
         if not force and (ckpt := latest_checkpoint(store, key)) is not None:
-            states, driver = load_checkpoint(store, ckpt, {r: cfg.role(r).num_workers for r in LEARNERS})
-            ray.get([w.load_state.remote(**s) for r in LEARNERS for w, s in zip(groups[r].workers, states[r])])
+            shards, driver = load_checkpoint(store, ckpt, {r: cfg.role(r).num_workers for r in LEARNERS})
+            ray.get([w.load_checkpoint.remote(store, shards[r][0], mine) for r in LEARNERS for w, mine in zip(groups[r].workers, shards[r])])
             start, history = driver["iteration"], driver["history"]
             sampler = PromptSampler(len(prompts), seed, **driver["sampler"])
             kl_ctl.load_state_dict(driver["kl"])
@@ -167,9 +168,10 @@ def train_ppo(cfg: PPOConfig, model: ModelConfig, store: ArtifactStore, data: Ar
             if it % cfg.eval_every == 0 or it == cfg.num_iterations:
                 history.append(run.evaluate(it))
             if it % cfg.checkpoint_every == 0 and it < cfg.num_iterations:
-                states = {r: ray.get([w.state.remote() for w in groups[r].workers]) for r in LEARNERS}
+                # each rank writes its shard to the store; the driver publishes the checkpoint over them
+                shards = {r: ray.get([w.save_checkpoint.remote(store, key, it) for w in groups[r].workers]) for r in LEARNERS}
                 driver = {"sampler": sampler.state_dict(), "kl": kl_ctl.state_dict(), "history": history}
-                save_checkpoint(store, key, it, states, driver, config, inputs)
+                save_checkpoint(store, key, it, shards, driver, config, inputs)
             if on_iteration is not None:
                 on_iteration(it, metrics)
         adapter = ray.get([w.adapter_files.remote() for w in groups["actor"].workers])[0]
