@@ -43,6 +43,9 @@ def check_local_gpus(cfg: PipelineConfig) -> None:
             if g > 0:
                 raise ConfigError(f"`ppo.{role}.gpus_per_worker` ({g}): no GPU here (torch sees none); set it to 0 on CPU")
     check_gpu_fit(cfg.ppo, have, "this machine (a local Ray)")
+    from tasks.ppo.train import check_ppo_memory
+
+    check_ppo_memory(cfg.ppo, cfg.model, have)
 
 
 _STORE_FIX = {

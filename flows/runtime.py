@@ -70,7 +70,7 @@ class LocalPrefectServer:
         home.mkdir(parents=True, exist_ok=True)
         log = open(home / "rlhf-server.log", "ab")
         self.proc = subprocess.Popen(
-            [str(Path(sys.executable).parent / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+            [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"},
         )
         deadline = time.time() + self.timeout_s

@@ -43,6 +43,16 @@ def test_checkpointed_blocks_keep_fewer_activations_and_give_the_same_gradients(
     assert torch.equal(out["ckpt"][0], out["plain"][0])
     for n, g in out["plain"][1].items():
         torch.testing.assert_close(out["ckpt"][1][n], g, rtol=1e-6, atol=1e-7, msg=n)
+    # SFT's forward: train mode, the model's default use_cache (True: a KV cache is made and must not be appended twice)
+    grads = []
+    for m in (plain, ckpt):
+        m.train()
+        m.zero_grad()
+        m(input_ids=ids, attention_mask=mask).logits.float().pow(2).mean().backward()
+        grads.append({n: p.grad.clone() for n, p in m.named_parameters() if p.requires_grad})
+        m.eval()
+    for n, g in grads[0].items():
+        torch.testing.assert_close(grads[1][n], g, rtol=1e-5, atol=1e-7, msg=n)
     # no-grad forwards (generation with a KV cache) run the blocks as they are
     a = generate(plain, ids, mask, max_new_tokens=4, eos_token_id=-1, pad_token_id=0, greedy=True).sequences
     b = generate(ckpt, ids, mask, max_new_tokens=4, eos_token_id=-1, pad_token_id=0, greedy=True).sequences

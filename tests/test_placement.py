@@ -138,3 +138,21 @@ def test_shared_reference_is_the_frozen_sft_adapter_on_the_actors_base(tmp_path)
     assert not torch.allclose(logp(False), sft_policy) and torch.equal(logp(True), sft_policy)
     model.save_pretrained(tmp_path / "out", selected_adapters=["default"])
     assert not (tmp_path / "out" / REFERENCE_ADAPTER).exists()
+
+
+def test_weights_and_optimizer_state_that_cannot_fit_are_refused_with_the_fix():
+    """The 8B shape (bench/gpu_shapes.py: 8.03B parameters, body 7.50B) on one 140 GiB H200: a
+    full-parameter fp32 critic with Adam state alone is ~112 GiB; a LoRA critic fits."""
+    from tasks.ppo.config import check_gpu_memory, weight_memory_gib
+
+    lm, body = 8_030_261_248, 7_504_924_672
+    full = resolve_placement(PPOConfig(), 1)
+    est = weight_memory_gib(full, lm, body, fast_copy=True)
+    assert round(est["critic"]) == 112 and round(est["actor"]) == 30 and set(est) == {"actor", "critic", "reward"}
+    with pytest.raises(ValueError, match=r"need at least 170 GiB .* 1 GPU\(s\) of 140 GiB hold 140: set ppo.critic_lora_rank"):
+        check_gpu_memory(full, est, 1, 140.0)
+    lora = resolve_placement(PPOConfig(critic_lora_rank=16), 1)
+    est = weight_memory_gib(lora, lm, body, fast_copy=True)
+    assert set(est) == {"actor", "critic"} and round(sum(est.values())) == 44
+    check_gpu_memory(lora, est, 1, 140.0)
+    assert weight_memory_gib(resolve_placement(PPOConfig(), 0), lm, body, True) == {}  # CPU roles: nothing on a GPU

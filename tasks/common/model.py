@@ -212,6 +212,9 @@ def checkpoint_blocks(model, mode: str, device: str) -> bool:
     for block in transformer_blocks(model):
         def forward(*args, _forward=block.forward, **kwargs):
             if torch.is_grad_enabled():
+                for k in ("cache", "past_key_values", "past_key_value"):  # a KV cache would be appended to twice (forward and
+                    if k in kwargs:                               # recompute); a training forward reads none (SFT's
+                        kwargs[k] = None                          # forward leaves use_cache at the config's True)
                 return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
             return _forward(*args, **kwargs)
 

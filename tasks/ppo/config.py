@@ -204,5 +204,38 @@ def check_gpu_fit(cfg: PPOConfig, gpus: float, where: str) -> None:
             f"or leave gpus_per_worker and colocate unset to have them chosen for {gpus:g} GPU(s)")
 
 
+def weight_memory_gib(cfg: PPOConfig, lm_params: int, body_params: int, fast_copy: bool) -> dict[str, float]:
+    """A lower bound of the GPU memory of one worker of each started GPU role, in GiB: weights,
+    gradients and optimizer state only (activations, KV cache and the CUDA context come on top).
+    Bases bf16 (2 bytes a parameter; ``lm_params`` the causal LM's, ``body_params`` the reward
+    model's body); a full-parameter critic fp32 with fp32 gradients and two Adam moments (16); the
+    separate reward model fp32 as loaded (4); ``fast_copy``: the actor's packed bf16 decode copy (2).
+    LoRA weights and their state are left out (well under 1%). Sharded learners divide by ranks."""
+    full_critic = cfg.critic_lora_rank == 0
+    per = {"actor": lm_params * (2 + (2 if fast_copy else 0)), "initial": lm_params * 2,
+           "critic": body_params * (16 if full_critic else 2), "reward": body_params * 4}
+    out = {}
+    for r in cfg.started_roles:
+        if cfg.role(r).gpus_per_worker:
+            shard = cfg.role(r).num_workers if r in LEARNERS and cfg.strategy != "ddp" else 1
+            out[r] = per[r] / shard / 2**30
+    return out
+
+
+def check_gpu_memory(cfg: PPOConfig, per_worker_gib: dict[str, float], gpus: float, gib_per_gpu: float) -> None:
+    """The started roles' lower-bound memory (``weight_memory_gib``) fits on the GPUs they share."""
+    need = sum(cfg.role(r).num_workers * g for r, g in per_worker_gib.items())
+    have = gpus * gib_per_gpu
+    if need <= have:
+        return
+    roles = ", ".join(f"{r} {cfg.role(r).num_workers}x{g:.1f}" for r, g in per_worker_gib.items())
+    fix = ("set ppo.critic_lora_rank (e.g. 16): a LoRA critic keeps the reward model's body in bf16 with no gradients or "
+           "optimizer state for it, and serves the reward model too (ppo.reward_model shared); or "
+           if cfg.critic_lora_rank == 0 and "critic" in per_worker_gib else "")
+    raise ValueError(f"ppo roles need at least {need:.0f} GiB of GPU memory for weights and optimizer state alone "
+                     f"({roles} GiB per worker) but {gpus:g} GPU(s) of {gib_per_gpu:.0f} GiB hold {have:.0f}: {fix}"
+                     "use more GPUs (more num_workers with ppo.strategy fsdp shard the learners), or a smaller model")
+
+
 def _multiple(n: int, k: int) -> int:
     return max(k, round(n / k) * k)

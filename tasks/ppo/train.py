@@ -184,6 +184,25 @@ def train_ppo(cfg: PPOConfig, model: ModelConfig, store: ArtifactStore, data: Ar
         stop_roles(groups, pgs)
 
 
+def check_ppo_memory(cfg: PPOConfig, model: ModelConfig, gpus: float) -> dict[str, float]:
+    """Before any model loads, on a machine whose torch sees CUDA: the roles' weights and optimizer
+    state fit on the GPUs (``weight_memory_gib``, counted on weightless skeletons). Returns the
+    estimate (GiB per worker; empty where no role holds a GPU or torch sees none). Run by
+    ``flows.preflight.check_local_gpus`` for a local Ray (on a cluster the driver does not know
+    the nodes' GPUs)."""
+    from tasks.ppo.config import check_gpu_memory, weight_memory_gib
+    from tasks.ppo.fast_generate import fast_generate_applies
+    from tasks.sft.lora import model_skeleton
+
+    if not torch.cuda.is_available() or not any(cfg.role(r).gpus_per_worker for r in cfg.started_roles):
+        return {}
+    lm, body = model_skeleton(model), model_skeleton(model, body_only=True)
+    fast = fast_generate_applies("auto" if cfg.fast_generate == "on" else cfg.fast_generate, cfg.strategy, "cuda", lm.config)
+    est = weight_memory_gib(cfg, sum(p.numel() for p in lm.parameters()), sum(p.numel() for p in body.parameters()), fast)
+    check_gpu_memory(cfg, est, gpus, torch.cuda.get_device_properties(0).total_memory / 2**30)
+    return est
+
+
 def placement_summary(cfg: PPOConfig, gpus: float) -> dict:
     """Where the roles run (``cfg`` resolved), for the log and the manifest."""
     from tasks.ppo.group import role_device
