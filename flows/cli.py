@@ -109,8 +109,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd in ("ls", "export", "generate"):
             return _use(args)  # a bad --stage/--run/--out is a ValueError: exit 2 with the message
         cfg = _load(args)
+        if args.cmd in ("config", "run"):  # resolved for this machine's GPUs; `serve` resolves where each run runs
+            from flows.config import describe_resources, local_gpus, resolve_resources
+
+            gpus = local_gpus(cfg.ray)
+            cfg = resolve_resources(cfg, gpus)
         if args.cmd == "config":
             print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+            print(f"# {describe_resources(cfg, gpus)}")
             return 0
         if args.cmd == "verify":
             return _verify(cfg)

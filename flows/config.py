@@ -19,7 +19,7 @@ from storage.store import reject_credentials
 from tasks.common.model import ModelConfig
 from tasks.common.tracking import TrackingConfig
 from tasks.data.config import DataConfig
-from tasks.ppo.config import PPOConfig
+from tasks.ppo.config import PPOConfig, resolve_placement
 from tasks.rm.config import RewardConfig
 from tasks.sft.config import SFTConfig
 
@@ -66,7 +66,7 @@ class StageResources(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     num_cpus: float = Field(1.0, ge=0.0, description="CPUs for the stage's Ray task.")
-    num_gpus: float = Field(0.0, ge=0.0, description="GPUs for the stage's Ray task (PPO's role actors ask for their own).")
+    num_gpus: float | None = Field(None, ge=0.0, description="GPUs for the stage's Ray task (PPO's role actors ask for their own). None: chosen for the GPUs there are (`resolve_resources`): sft and rm 0.5 each on one GPU (side by side), 1 each on two or more, 0 on CPU, with num_workers > 1 (the workers ask for their own) or device 'cpu'; data and ppo 0.")
     resources: dict[str, float] = Field(default_factory=dict, description="Custom Ray resources.")
     retries: int = Field(1, ge=0, description="Prefect retries of the stage.")
     retry_delay_s: float = Field(2.0, ge=0.0, description="First retry delay; doubles each retry (backoff).")
@@ -107,6 +107,47 @@ class PipelineConfig(BaseModel):
         if unknown:
             raise ValueError(f"refresh has unknown stages {unknown}; use some of {list(STAGES)} or 'all'")
         return v
+
+
+def local_gpus(ray: RayConfig) -> int | None:
+    """GPUs a local Ray gets (``ray.num_gpus``, else what torch sees); None when the run connects
+    to a cluster (``ray.address`` / $RAY_ADDRESS, ``auto``), whose GPUs are known once connected."""
+    from flows.runtime import ray_address
+
+    if ray_address(ray) != "local":
+        return None
+    if ray.num_gpus is not None:
+        return ray.num_gpus
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def resolve_resources(cfg: PipelineConfig, gpus: int | None) -> PipelineConfig:
+    """``cfg`` with every unset GPU request chosen for ``gpus`` GPUs (a pure function; what the
+    config writes is kept): the stages' Ray tasks (``StageResources.num_gpus``) and PPO's roles
+    (``tasks.ppo.config.resolve_placement``). ``gpus`` None (a cluster): the stages' tasks ask for
+    none and PPO's roles are resolved by ``train_ppo`` against the cluster's GPU total."""
+    resources = {}
+    for stage, r in cfg.resources.items():
+        if r.num_gpus is None:
+            stage_cfg = getattr(cfg, stage, None)
+            trains_here = stage in ("sft", "rm") and stage_cfg.num_workers == 1 and stage_cfg.device != "cpu"
+            share = 0.0 if not gpus or not trains_here else 1.0 if gpus >= 2 else 0.5
+            r = r.model_copy(update={"num_gpus": share})
+        resources[stage] = r
+    ppo = cfg.ppo if gpus is None else resolve_placement(cfg.ppo, gpus)
+    return cfg.model_copy(update={"resources": resources, "ppo": ppo})
+
+
+def describe_resources(cfg: PipelineConfig, gpus: int | None) -> str:
+    """One line: where each stage's Ray task and PPO's roles run (``cfg`` resolved)."""
+    stages = ", ".join(f"{s} {r.num_gpus or 0:g} GPU" for s, r in cfg.resources.items())
+    p = cfg.ppo
+    roles = "resolved on the cluster" if p.actor.gpus_per_worker is None else ", ".join(
+        f"{r} {p.role(r).num_workers}x{p.role(r).gpus_per_worker:g}" for r in p.started_roles) + f" (colocate={p.colocate})"
+    where = "a cluster" if gpus is None else f"{gpus} local GPU(s)"
+    return f"placement for {where}: {stages}; ppo roles {roles}; reference {p.reference}"
 
 
 def format_validation_error(err: ValidationError, data: dict | None = None) -> str:

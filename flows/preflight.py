@@ -25,20 +25,28 @@ def check_ray_address(address: str | None) -> None:
 
 
 def check_local_gpus(cfg: PipelineConfig) -> None:
-    """A local Ray gets the GPUs torch sees: asking for more can never schedule."""
-    if ray_address(cfg.ray) != "local":
-        return  # the PPO stage checks the cluster's resources and placement itself
-    import torch
+    """A local Ray gets the GPUs torch sees: asking for more, or for fractions that do not fit
+    on them, can never schedule. Judges the config as resolved for those GPUs."""
+    from flows.config import local_gpus, resolve_resources
+    from tasks.ppo.config import ROLES, check_gpu_fit
 
-    have = cfg.ray.num_gpus if cfg.ray.num_gpus is not None else torch.cuda.device_count()
+    have = local_gpus(cfg.ray)
+    if have is None:
+        return  # the PPO stage checks the cluster's resources itself
+    cfg = resolve_resources(cfg, have)
     for stage, r in cfg.resources.items():
         if r.num_gpus > have:
             raise ConfigError(f"`resources.{stage}.num_gpus` ({r.num_gpus}): this machine has {have} GPU(s) for a local Ray; "
                               f"set it to 0 or run against a cluster with GPUs (`ray.address`)")
-    for role in ("actor", "critic", "initial", "reward"):
-        g = getattr(cfg.ppo, role).gpus_per_worker
-        if g > 0 and have == 0:
-            raise ConfigError(f"`ppo.{role}.gpus_per_worker` ({g}): no GPU here (torch sees none); set it to 0 on CPU")
+    if have == 0:
+        for role in ROLES:
+            g = cfg.ppo.role(role).gpus_per_worker
+            if g > 0:
+                raise ConfigError(f"`ppo.{role}.gpus_per_worker` ({g}): no GPU here (torch sees none); set it to 0 on CPU")
+    check_gpu_fit(cfg.ppo, have, "this machine (a local Ray)")
+    from tasks.ppo.train import check_ppo_memory
+
+    check_ppo_memory(cfg.ppo, cfg.model, have)
 
 
 _STORE_FIX = {

@@ -26,7 +26,7 @@ from pathlib import Path
 from prefect import flow, get_run_logger, task
 from prefect.serializers import JSONSerializer
 
-from flows.config import PipelineConfig, StageResources, validate_config
+from flows.config import PipelineConfig, StageResources, describe_resources, local_gpus, resolve_resources, validate_config
 from storage.store import ArtifactRef, ArtifactStore
 
 log = logging.getLogger("rlhf.flow")
@@ -234,6 +234,9 @@ def rlhf(config: PipelineConfig = PipelineConfig()) -> dict[str, ArtifactRef]:
     from tasks.common.tracking import run_pipeline_tracked
 
     cfg = validate_config(config)
+    gpus = local_gpus(cfg.ray)
+    cfg = resolve_resources(cfg, gpus)  # unset GPU requests, once, for the GPUs there are
+    print(f"rlhf: {describe_resources(cfg, gpus)}")
     preflight(cfg)  # every config/data/cluster error before any model loads
     store = open_store(cfg)
     keys = known_keys(cfg, store)

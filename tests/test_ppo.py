@@ -22,7 +22,7 @@ from tasks.data.config import DataConfig
 from tasks.data.dataset import read_jsonl
 from tasks.data.prepare import prepare_data
 from tasks.ppo.checkpoint import latest_checkpoint
-from tasks.ppo.config import PPOConfig
+from tasks.ppo.config import PPOConfig, resolve_placement
 from tasks.ppo.group import create_placement_groups
 from tasks.ppo.losses import FixedKLController
 from tasks.ppo.train import PPORun, PromptSampler, ppo_key, resolve_stop_ids, start_roles, stop_roles, train_ppo
@@ -161,7 +161,11 @@ def test_ppo_raises_reward_and_true_score_with_bounded_kl(stages):
     assert m["eval/rm_score_after"] > m["eval/rm_score_before"] + 3.0
     assert m["eval/true_score_after"] > m["eval/true_score_before"] + 0.4
     assert 0.0 < m["eval/kl_after"] < 8.0
-    assert m["eval/kl_before"] == pytest.approx(0.0, abs=1e-4)  # the policy starts as the initial model
+    assert m["eval/kl_before"] == 0.0  # the policy starts as the initial model: the shared reference is the same forward
+    manifest = store.manifest(ref.key)
+    assert manifest["config"]["placement"]["reference"] == "shared" and "initial" not in manifest["config"]["placement"]["roles"]
+    assert {r: v["device"] for r, v in manifest["config"]["placement"]["roles"].items()} == dict.fromkeys(("actor", "critic", "reward"), "cpu")
+    assert all(m[f"memory/{r}/peak_rss_gib"] > 0.1 for r in ("actor", "critic", "reward")), m  # CPU: peak RSS per role
     steps = [h for h in history(store, ref.key) if "ppo/reward_mean" in h]
     assert [h["iteration"] for h in steps] == list(range(1, cfg.num_iterations + 1))
     for k in ("reward_mean", "reward_std", "kl", "entropy", "policy_loss", "value_loss", "clip_fraction",
@@ -199,12 +203,13 @@ def test_ppo_raises_reward_and_true_score_with_bounded_kl(stages):
 # -- distribution ----------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_two_ddp_workers_per_learner_stay_identical(stages):
-    """actor x2 and critic x2 (gloo DDP), all roles colocated in one placement group."""
+    """actor x2 and critic x2 (gloo DDP), all roles colocated in one placement group; the reference
+    in its own `initial` group (ppo.reference separate)."""
     import ray
 
     _, store, data, sft, rm = stages
-    cfg = PPOConfig(rollout_batch_size=16, train_batch_size=4, actor={"num_workers": 2}, critic={"num_workers": 2},
-                    colocate=True)
+    cfg = resolve_placement(PPOConfig(rollout_batch_size=16, train_batch_size=4, actor={"num_workers": 2},
+                                      critic={"num_workers": 2}, colocate=True, reference="separate"), gpus=0)
     tok = load_tokenizer(MODEL, str(store.fetch(data.key) / "tokenizer"))
     prompts = [r["prompt_ids"] for r in read_jsonl(store.fetch(data.key) / "prompts_train.jsonl")]
     pgs = create_placement_groups(cfg)
@@ -279,8 +284,9 @@ def test_resume_after_interruption_equals_uninterrupted_run(stages, tmp_path):
         train_ppo(cfg, MODEL, broken, data, sft, rm, SEED, on_iteration=stop_at_2)
     assert not broken.exists(key)
     assert latest_checkpoint(broken, key) == f"{key}-ckpt/iter-000002"
-    ckpt = broken.fetch(latest_checkpoint(broken, key))
-    torch.load(ckpt / "actor" / "optimizer.pt", weights_only=True)
+    shards = broken.manifest(latest_checkpoint(broken, key))["shards"]
+    assert shards == {r: [f"{key}-ckpt/shards-000002/{r}-rank0"] for r in ("actor", "critic")}  # written by the workers
+    torch.load(broken.fetch(shards["actor"][0]) / "optimizer.pt", weights_only=True)
     seen = []
     ref_b = train_ppo(cfg, MODEL, broken, data, sft, rm, SEED, on_iteration=lambda it, m: seen.append(it))
     assert seen == [3, 4]  # resumed at exactly iteration 2
@@ -300,3 +306,49 @@ def test_resume_after_interruption_equals_uninterrupted_run(stages, tmp_path):
     # the adaptive controller moved and was restored
     coefs = [h["ppo/kl_coef"] for h in hb if "ppo/kl_coef" in h]
     assert len(set(coefs)) == 4
+
+
+# -- memory for real sizes: a LoRA critic that also serves the reward model --------------------------
+@pytest.mark.slow
+def test_lora_critic_serves_the_reward_model_from_its_base(stages, tmp_path):
+    """ppo.critic_lora_rank: the critic is a LoRA adapter + value head on the frozen reward-model
+    body; with reward_model 'shared' it also scores (adapter disabled, the reward head as loaded),
+    equal to the separate reward role's scores, and only actor and critic groups start."""
+    import ray
+    from safetensors.torch import load_file
+
+    from tasks.ppo.generation import Rollout
+    from tasks.ppo.group import RoleGroup
+    from tasks.ppo.roles import CriticWorker, RewardWorker
+
+    _, _, data, sft, rm = stages
+    store = copy_store(stages, tmp_path)
+    cfg = PPOConfig(num_iterations=2, checkpoint_every=1, eval_every=2, rollout_batch_size=8, train_batch_size=8,
+                    max_new_tokens=8, eval_prompts=8, critic_lora_rank=8, critic_lr=5e-3)
+    placed = resolve_placement(cfg, 0)
+    pg = ray.util.placement_group([{"CPU": 1.0}, {"CPU": 1.0}])
+    ray.get(pg.ready())
+    groups = {}
+    try:
+        groups = {"critic": RoleGroup("critic", CriticWorker, placed.critic, pg, "ddp", SEED, "cpu"),
+                  "reward": RoleGroup("reward", RewardWorker, placed.reward, pg, "ddp", SEED, "cpu")}
+        ray.get([r for g in groups.values() for r in g.connect()])
+        ray.get([groups["critic"].workers[0].load.remote(store, rm, placed), groups["reward"].workers[0].load.remote(store, rm)])
+        ids = torch.randint(3, 400, (4, 12), generator=torch.Generator().manual_seed(0))
+        mask = torch.ones_like(ids)
+        mask[1, :4] = 0
+        ro = Rollout(ids, mask, torch.ones(4, 6), torch.ones(4, dtype=torch.bool))
+        shared, separate = ray.get([groups["critic"].workers[0].score.remote(ro), groups["reward"].workers[0].score.remote(ro)])
+        assert torch.equal(shared, separate), (shared, separate)
+    finally:
+        stop_roles(groups, {"pg": pg})
+
+    ref = train_ppo(cfg, MODEL, store, data, sft, rm, SEED)
+    manifest = store.manifest(ref.key)
+    assert set(manifest["config"]["placement"]["roles"]) == {"actor", "critic"}
+    shard = store.manifest(latest_checkpoint(store, ref.key))["shards"]["critic"][0]
+    critic = load_file(str(store.fetch(shard) / "weights.safetensors"))
+    assert critic and all("lora_" in k or ".head." in k for k in critic), sorted(critic)[:5]
+    steps = [h for h in history(store, ref.key) if "ppo/value_loss" in h]
+    assert len(steps) == 2 and all(torch.isfinite(torch.tensor(h["ppo/value_loss"])) for h in steps)
+    print(f"\nLoRA critic: {len(critic)} trainable tensors checkpointed; value loss {[h['ppo/value_loss'] for h in steps]}")

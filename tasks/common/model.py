@@ -159,3 +159,64 @@ def pick_device(requested: str = "auto") -> str:
     if requested.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device {requested!r} asked for, but torch sees no CUDA GPU here; use 'auto' or 'cpu'")
     return requested
+
+
+def placement_record(device: str) -> dict:
+    """Where this process trained, for a manifest: the torch device, the Ray resources assigned
+    to it (None outside Ray: a direct call) and the GPU's name on CUDA."""
+    import torch
+
+    rec: dict = {"device": device, "ray_resources": None}
+    try:
+        import ray
+
+        if ray.is_initialized():
+            rec["ray_resources"] = ray.get_runtime_context().get_assigned_resources()
+    except (ImportError, AssertionError):  # AssertionError: a Ray driver, which has no assigned resources
+        pass
+    if device.startswith("cuda"):
+        rec["gpu"] = torch.cuda.get_device_name()
+    return rec
+
+
+# 'auto' activation checkpointing: on for CUDA models above this many parameters, where the
+# activations of a realistic batch (64 x 512 tokens) outgrow what recomputing them costs
+CHECKPOINT_AUTO_PARAMS = 1e9
+CheckpointMode = Literal["auto", "on", "off"]
+CHECKPOINT_HELP = ("Activation (gradient) checkpointing of every transformer block: its activations are recomputed in the "
+                   "backward pass instead of kept (about a third more compute; memory of one block's activations instead "
+                   "of all). 'auto' = on for CUDA models over 1B parameters, 'on', 'off'.")
+
+
+def transformer_blocks(model) -> list:
+    """The model's transformer blocks (the classes its ``_no_split_modules`` names): the units
+    FSDP2 shards, ``torch.compile`` compiles and activation checkpointing recomputes one by one."""
+    names = set()
+    for m in model.modules():
+        names.update(getattr(m, "_no_split_modules", None) or [])
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
+def checkpoint_blocks(model, mode: str, device: str) -> bool:
+    """Activation checkpointing per transformer block (``mode``: see ``CHECKPOINT_HELP``); returns
+    whether it is on. Non-reentrant ``torch.utils.checkpoint`` whenever grad is enabled, in eval
+    mode too (the PPO learners run in eval mode; HF's ``gradient_checkpointing_enable`` acts only
+    in train mode); no-grad forwards (generation with a KV cache, scoring) run the block as is.
+    The recomputation replays the RNG state, so results equal the plain forward's."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    n = sum(p.numel() for p in model.parameters())
+    if not (mode == "on" or (mode == "auto" and device.startswith("cuda") and n > CHECKPOINT_AUTO_PARAMS)):
+        return False
+    for block in transformer_blocks(model):
+        def forward(*args, _forward=block.forward, **kwargs):
+            if torch.is_grad_enabled():
+                for k in ("cache", "past_key_values", "past_key_value"):  # a KV cache would be appended to twice (forward and
+                    if k in kwargs:                               # recompute); a training forward reads none (SFT's
+                        kwargs[k] = None                          # forward leaves use_cache at the config's True)
+                return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
+            return _forward(*args, **kwargs)
+
+        block.forward = forward
+    return True

@@ -1,16 +1,18 @@
 """PPO checkpoints and the final artifact, as artifacts of the store.
 
 A checkpoint at ``<key>-ckpt/iter-<it:06d>`` (kind ``ppo_checkpoint``) holds everything the run
-needs to continue at exactly that iteration:
+needs to continue at exactly that iteration. Each learner rank writes its own shard straight to
+the store, at ``<key>-ckpt/shards-<it:06d>/<role>-rank<r>`` (kind ``ppo_checkpoint_shard``):
 
-    actor/weights.safetensors   trainable (LoRA) weights, full, keyed by parameter name
-    actor/optimizer.pt          optimizer state (full; torch.save, loads with weights_only=True)
-    actor/rng-rank<r>.pt        each rank's torch / python / sampling RNG states
-    critic/...                  the same for the critic (all its weights are trainable)
-    driver.json                 iteration, prompt-sampler position, KL controller, metrics so far
+    weights.safetensors   rank 0: the trainable weights (LoRA, value head; all of a full critic), full, by name
+    optimizer.pt          rank 0: the optimizer state (full; torch.save, loads with weights_only=True)
+    rng.pt                every rank: its torch / python / sampling RNG states
 
-Workers hand their state to the driver, which writes and publishes (so it works when the
-workers are on other nodes); the manifest is written last, so only complete checkpoints count.
+Nothing of it travels through the driver, which only publishes the checkpoint itself: driver.json
+(iteration, prompt-sampler position, KL controller, metrics so far) with the shards as its inputs
+(their content hashes) and their keys in the manifest's ``shards``. That manifest is written last,
+so only complete checkpoints count; a rank resuming fetches rank 0's shard and its own. Sharded
+strategies (FSDP2, ColossalAI) gather the full state onto rank 0 inside the group first.
 The final artifact at ``<key>`` (kind ``ppo_actor``): ``adapter/`` (PeftModel.from_pretrained on
 the base), ``tokenizer/``, ``metrics.jsonl`` (one record per iteration and per evaluation).
 """
@@ -54,41 +56,57 @@ def _torch_save(path: Path, obj: Any) -> None:
     path.write_bytes(buf.getvalue())
 
 
-def save_checkpoint(store: ArtifactStore, key: str, iteration: int, states: Mapping[str, list[dict]],
+def shard_key(key: str, iteration: int, role: str, rank: int) -> str:
+    return f"{checkpoint_prefix(key)}/shards-{iteration:06d}/{role}-rank{rank}"
+
+
+def write_shard(store: ArtifactStore, key: str, iteration: int, role: str, rank: int, weights: Mapping[str, torch.Tensor] | None,
+                optim: dict | None, rng: dict) -> ArtifactRef:
+    """One rank's shard of the checkpoint at ``iteration``, published by the rank itself."""
+    with tempfile.TemporaryDirectory(prefix="rlhf-ppo-shard-") as tmp:
+        out = Path(tmp)
+        if weights is not None:
+            _save_tensors(out / "weights.safetensors", weights)
+            _torch_save(out / "optimizer.pt", optim)
+        _torch_save(out / "rng.pt", rng)
+        return store.publish(shard_key(key, iteration, role, rank), out, kind="ppo_checkpoint_shard",
+                             extra={"iteration": iteration, "run_key": key, "role": role, "rank": rank})
+
+
+def read_shard(store: ArtifactStore, full: ArtifactRef, mine: ArtifactRef) -> dict:
+    """``worker.load_state`` kwargs from rank 0's shard (``full``: weights, optimizer) and this rank's (RNG)."""
+    from safetensors.torch import load_file
+
+    d = store.fetch(full)
+    return {"weights": load_file(str(d / "weights.safetensors")), "optim": torch.load(d / "optimizer.pt", weights_only=True),
+            "rng": torch.load(store.fetch(mine) / "rng.pt", weights_only=True)}
+
+
+def save_checkpoint(store: ArtifactStore, key: str, iteration: int, shards: Mapping[str, list[dict]],
                     driver: dict, config: dict, inputs: Mapping[str, ArtifactRef]) -> ArtifactRef:
-    """``states``: role -> each rank's ``worker.state()`` (rank 0 carries weights + optimizer)."""
+    """Publish the checkpoint at ``iteration`` over the ``shards`` the ranks wrote (role -> each
+    rank's shard ref, as a dict): the one commit point."""
+    refs = {role: [ArtifactRef.model_validate(r) for r in rs] for role, rs in shards.items()}
     with tempfile.TemporaryDirectory(prefix="rlhf-ppo-ckpt-") as tmp:
         out = Path(tmp)
-        for role in LEARNERS:
-            d = out / role
-            d.mkdir()
-            ranks = states[role]
-            _save_tensors(d / "weights.safetensors", ranks[0]["weights"])
-            _torch_save(d / "optimizer.pt", ranks[0]["optim"])
-            for r, s in enumerate(ranks):
-                _torch_save(d / f"rng-rank{r}.pt", s["rng"])
         (out / "driver.json").write_text(json.dumps({**driver, "iteration": iteration}, indent=1))
-        return store.publish(f"{checkpoint_prefix(key)}/iter-{iteration:06d}", out, kind="ppo_checkpoint",
-                             config=config, inputs=inputs, metrics=driver["history"][-1] if driver["history"] else {},
-                             extra={"iteration": iteration, "run_key": key})
+        return store.publish(f"{checkpoint_prefix(key)}/iter-{iteration:06d}", out, kind="ppo_checkpoint", config=config,
+                             inputs={**inputs, **{f"{role}-rank{r}": ref for role, rs in refs.items() for r, ref in enumerate(rs)}},
+                             metrics=driver["history"][-1] if driver["history"] else {},
+                             extra={"iteration": iteration, "run_key": key, "shards": {role: [x.key for x in rs] for role, rs in refs.items()}})
 
 
 def load_checkpoint(store: ArtifactStore, ckpt_key: str, num_workers: Mapping[str, int]) -> tuple[dict, dict]:
-    """(role -> per-rank kwargs for ``worker.load_state``, driver state)."""
-    from safetensors.torch import load_file
-
-    path = store.fetch(ckpt_key)
-    states = {}
+    """(role -> each rank's shard ref, verified against the content the checkpoint recorded; driver state)."""
+    manifest = store.manifest(ckpt_key)
+    shards = {}
     for role in LEARNERS:
-        d = path / role
-        weights = load_file(str(d / "weights.safetensors"))
-        optim = torch.load(d / "optimizer.pt", weights_only=True)
-        n = len(list(d.glob("rng-rank*.pt")))
-        if n != num_workers[role]:
-            raise ValueError(f"checkpoint {ckpt_key}: {role} has {n} ranks but ppo.{role}.num_workers is {num_workers[role]}")
-        states[role] = [{"weights": weights, "optim": optim, "rng": torch.load(d / f"rng-rank{r}.pt", weights_only=True)}
-                        for r in range(n)]
-    return states, json.loads((path / "driver.json").read_text())
+        keys = manifest["shards"][role]
+        if len(keys) != num_workers[role]:
+            raise ValueError(f"checkpoint {ckpt_key}: {role} has {len(keys)} ranks but ppo.{role}.num_workers is {num_workers[role]}")
+        shards[role] = [store.ref(k).model_copy(update={"content_hash": manifest["inputs"][f"{role}-rank{r}"], "parts": {}})
+                        for r, k in enumerate(keys)]
+    return shards, json.loads((store.fetch(ckpt_key) / "driver.json").read_text())
 
 
 def publish_final(store: ArtifactStore, key: str, adapter_files: Mapping[str, bytes], tokenizer_dir: Path,

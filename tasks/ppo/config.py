@@ -7,9 +7,12 @@ that need the environment (ColossalAI installed, GPUs in the Ray cluster) are in
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from tasks.common.model import CHECKPOINT_HELP, CheckpointMode
 
 ROLES = ("actor", "critic", "initial", "reward")
 LEARNERS = ("actor", "critic")
@@ -22,7 +25,7 @@ class RoleConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     num_workers: int = Field(1, gt=0, description="Ray actors in the group (torch.distributed world size).")
-    gpus_per_worker: float = Field(0.0, ge=0.0, description="GPUs per Ray actor; fractions (0.25) let roles share a GPU. 0 on CPU.")
+    gpus_per_worker: float | None = Field(None, ge=0.0, description="GPUs per Ray actor; fractions (0.25) let roles share a GPU. None: chosen for the GPUs there are (`resolve_placement`): 0 without GPUs, else the GPU(s) shared by every role.")
     cpus_per_worker: float = Field(0.5, ge=0.0, description="CPUs Ray reserves per actor (also its torch thread count, at least 1).")
 
 
@@ -36,7 +39,8 @@ class PPOConfig(BaseModel):
     initial: RoleConfig = Field(default_factory=RoleConfig, description="Frozen reference policy for the KL penalty.")
     reward: RoleConfig = Field(default_factory=RoleConfig, description="Frozen reward model.")
     placement: Literal["PACK", "SPREAD", "STRICT_SPREAD", "STRICT_PACK"] = Field("PACK", description="Ray placement-group strategy across the bundles of all role workers (one placement group): PACK = as few nodes as possible, SPREAD = as many as possible, STRICT_SPREAD = every worker on its own node, STRICT_PACK = all on one node.")
-    colocate: bool = Field(False, description="Bundle i holds worker i of every role, so those share a node and its GPUs (one-GPU machines).")
+    colocate: bool | None = Field(None, description="Bundle i holds worker i of every role, so those share a node and its GPUs (one-GPU machines). None: chosen with gpus_per_worker (`resolve_placement`).")
+    reference: Literal["shared", "separate"] = Field("shared", description="The KL reference (the frozen SFT policy): 'shared' = a frozen copy of the SFT adapter on the actor's own base model, run by the actor workers (no second base in memory; the `initial` role group is not started and gets no GPU), 'separate' = the `initial` role group with its own base.")
 
     # -- the PPO loop
     num_iterations: int = Field(30, gt=0, description="Rollout + learn iterations.")
@@ -44,7 +48,10 @@ class PPOConfig(BaseModel):
     train_batch_size: int = Field(8, gt=0, description="Minibatch per learner worker of one optimizer step; actor/critic num_workers x train_batch_size must divide rollout_batch_size.")
     ppo_epochs: int = Field(2, gt=0, description="Passes over each rollout.")
     actor_lr: float = Field(5e-4, gt=0.0, description="Actor (LoRA) learning rate (tuned for the built-in model; seed: 5e-6 for real models).")
-    critic_lr: float = Field(1e-3, gt=0.0, description="Critic (full-parameter) learning rate.")
+    critic_lr: float = Field(1e-3, gt=0.0, description="Critic learning rate (tuned for the full-parameter critic of the built-in model).")
+    critic_lora_rank: int = Field(0, ge=0, description="0: full-parameter critic (fp32 weights, gradients and Adam state: ~16 bytes a parameter). >0: a LoRA adapter of this rank on the reward model's body, frozen (bf16 on CUDA), plus the value head in full; the memory of one bf16 body. Off by default: critic_lr is tuned for the full-parameter critic.")
+    critic_lora_alpha: float = Field(32, gt=0, description="LoRA alpha of the critic (critic_lora_rank > 0).")
+    reward_model: Literal["shared", "separate"] = Field("shared", description="With a LoRA critic (critic_lora_rank > 0), 'shared': the critic workers also score, with their adapter disabled (the reward model's own body) and a frozen copy of the reward head, so the body is in memory once and the `reward` role group is not started. 'separate', and always with a full-parameter critic: the `reward` role group.")
     max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient norm clip of both learners.")
     eps_clip: float = Field(0.2, gt=0.0, description="PPO ratio clip (seed 0.2).")
     value_clip: float | None = Field(0.4, gt=0.0, description="Value clip around the rollout's values (seed 0.4); None: unclipped.")
@@ -71,6 +78,7 @@ class PPOConfig(BaseModel):
     stop_strings: list[str] = Field(default_factory=list, description="Strings that also end a response; each must be a single token of the tokenizer (e.g. '<|eot_id|>'), checked before any model loads.")
     fast_generate: Literal["auto", "on", "off"] = Field("auto", description="Rollouts with tasks/ppo/fast_generate.py (static KV cache; CUDA graphs on CUDA): 'auto' = on for CUDA actors of a Llama-family model with strategy 'ddp', 'on' = also on CPU (eager) and an error where it cannot apply, 'off' = the plain loop of tasks/ppo/generation.py.")
 
+    gradient_checkpointing: CheckpointMode = Field("auto", description=CHECKPOINT_HELP + " For the learners (actor, critic).")
     compile: Literal["auto", "on", "off"] = Field("auto", description="torch.compile each transformer block of the learners (actor, critic): fuses the norms, RoPE, activations and casts around the matmuls. 'auto' = on for CUDA roles (the first iteration pays ~1 min of compilation), 'on' = also on CPU, 'off' = eager.")
 
     # -- evaluation, checkpoints, logging
@@ -94,7 +102,7 @@ class PPOConfig(BaseModel):
                 )
         for role in ROLES:
             g = getattr(self, role).gpus_per_worker
-            if g > 1 and g != int(g):
+            if g is not None and g > 1 and g != int(g):
                 raise ValueError(f"ppo.{role}.gpus_per_worker ({g}): above 1 it must be a whole number of GPUs (Ray's rule)")
         if self.fast_generate == "on" and self.strategy != "ddp":
             raise ValueError(
@@ -105,7 +113,7 @@ class PPOConfig(BaseModel):
             raise ValueError(f"ppo.stop_token_ids {self.stop_token_ids}: token ids are >= 0; drop the negative ones")
         if any(not s for s in self.stop_strings):
             raise ValueError(f"ppo.stop_strings {self.stop_strings}: an empty string can never be generated; drop it")
-        if self.device == "cuda" and not any(getattr(self, r).gpus_per_worker for r in ROLES):
+        if self.device == "cuda" and all(getattr(self, r).gpus_per_worker == 0 for r in self.started_roles):
             raise ValueError("ppo.device 'cuda' but every role has gpus_per_worker 0: give roles GPUs (e.g. 0.25 each with colocate) or use device 'auto'")
         return self
 
@@ -113,9 +121,120 @@ class PPOConfig(BaseModel):
         return getattr(self, name)
 
     @property
+    def started_roles(self) -> tuple[str, ...]:
+        """The role groups that get Ray actors: all four, less `initial` with a shared reference
+        and `reward` when the critic serves it."""
+        return tuple(r for r in ROLES if not (r == "initial" and self.reference == "shared")
+                     and not (r == "reward" and self.reward_on_critic))
+
+    @property
+    def reward_on_critic(self) -> bool:
+        """The critic workers serve the frozen reward model (``reward_model`` 'shared', LoRA critic)."""
+        return self.critic_lora_rank > 0 and self.reward_model == "shared"
+
+    @property
     def num_chunks(self) -> int:
         """Experience chunks per iteration: one per minibatch of train_batch_size."""
         return self.rollout_batch_size // self.train_batch_size
+
+
+def resolve_placement(cfg: PPOConfig, gpus: float) -> PPOConfig:
+    """``cfg`` with every unset ``gpus_per_worker`` / ``colocate`` chosen for ``gpus`` GPUs (a pure
+    function; values written in the config are kept, and ``check_gpu_fit`` judges them).
+
+    No GPU: 0 everywhere, not colocated (as on CPU). As many GPUs as started role workers: one
+    whole GPU per worker. Fewer: every role colocated, each worker 1/(k*c) of a GPU, with k the
+    started roles and c = ceil(max num_workers / gpus): bundle i (worker i of every role) then
+    holds <= 1/c GPU, and c bundles share each GPU. Roles that are not started (a shared reference's `initial`, a reward model the critic serves) get 0.
+    """
+    started = cfg.started_roles
+    workers = sum(cfg.role(r).num_workers for r in started)
+    if gpus <= 0:
+        share, colocate = 0.0, False
+    elif workers <= gpus:
+        share, colocate = 1.0, False
+    else:
+        per_gpu = math.ceil(max(cfg.role(r).num_workers for r in started) / gpus)
+        share, colocate = math.floor(1e4 / (len(started) * per_gpu)) / 1e4, True  # Ray keeps 4 decimals
+    data = cfg.model_dump()
+    for r in ROLES:
+        if data[r]["gpus_per_worker"] is None:
+            data[r]["gpus_per_worker"] = share if r in started else 0.0
+    if data["colocate"] is None:
+        data["colocate"] = colocate
+    return PPOConfig.model_validate(data)
+
+
+def gpus_needed(cfg: PPOConfig) -> int:
+    """Whole GPUs the roles' reservations need as Ray places them (``cfg`` resolved): a colocated
+    bundle (worker i of every role) or a worker is one item; items of 1 GPU or more take whole
+    GPUs, fractions pack first-fit-decreasing onto shared ones. 0 when no role asks for a GPU."""
+    if cfg.colocate:
+        n = max(cfg.role(r).num_workers for r in ROLES)
+        items = [sum(cfg.role(r).gpus_per_worker for r in ROLES if cfg.role(r).num_workers > i) for i in range(n)]
+    else:
+        items = [cfg.role(r).gpus_per_worker for r in ROLES for _ in range(cfg.role(r).num_workers)]
+    whole = sum(math.ceil(g - 1e-9) for g in items if g >= 1 - 1e-9)
+    bins: list[float] = []
+    for g in sorted((g for g in items if 0 < g < 1 - 1e-9), reverse=True):
+        fit = next((i for i, used in enumerate(bins) if used + g <= 1 + 1e-9), None)
+        if fit is None:
+            bins.append(g)
+        else:
+            bins[fit] += g
+    return whole + len(bins)
+
+
+def check_gpu_fit(cfg: PPOConfig, gpus: float, where: str) -> None:
+    """The resolved roles' GPU reservations fit on ``gpus`` GPUs (``where`` names them)."""
+    if cfg.colocate:
+        for i in range(max(cfg.role(r).num_workers for r in ROLES)):
+            b = sum(cfg.role(r).gpus_per_worker for r in ROLES if cfg.role(r).num_workers > i)
+            if b > 1 and b != int(b):
+                raise ValueError(
+                    f"ppo.colocate: bundle {i} (worker {i} of every role) asks for {b:g} GPUs, which is neither a "
+                    "fraction of one GPU nor whole GPUs: make ppo.<role>.gpus_per_worker of the roles sum to <= 1 "
+                    "(e.g. 0.25 each), or leave them unset to have them chosen")
+    need = gpus_needed(cfg)
+    if need > gpus:
+        asked = ", ".join(f"{r} {cfg.role(r).num_workers}x{cfg.role(r).gpus_per_worker:g}" for r in ROLES)
+        raise ValueError(
+            f"ppo roles need {need} GPU(s) as placed ({asked}; colocate={cfg.colocate}; fractions sharing a GPU "
+            f"sum to <= 1) but {where} has {gpus:g}: lower ppo.<role>.gpus_per_worker or ppo.<role>.num_workers, "
+            f"or leave gpus_per_worker and colocate unset to have them chosen for {gpus:g} GPU(s)")
+
+
+def weight_memory_gib(cfg: PPOConfig, lm_params: int, body_params: int, fast_copy: bool) -> dict[str, float]:
+    """A lower bound of the GPU memory of one worker of each started GPU role, in GiB: weights,
+    gradients and optimizer state only (activations, KV cache and the CUDA context come on top).
+    Bases bf16 (2 bytes a parameter; ``lm_params`` the causal LM's, ``body_params`` the reward
+    model's body); a full-parameter critic fp32 with fp32 gradients and two Adam moments (16); the
+    separate reward model fp32 as loaded (4); ``fast_copy``: the actor's packed bf16 decode copy (2).
+    LoRA weights and their state are left out (well under 1%). Sharded learners divide by ranks."""
+    full_critic = cfg.critic_lora_rank == 0
+    per = {"actor": lm_params * (2 + (2 if fast_copy else 0)), "initial": lm_params * 2,
+           "critic": body_params * (16 if full_critic else 2), "reward": body_params * 4}
+    out = {}
+    for r in cfg.started_roles:
+        if cfg.role(r).gpus_per_worker:
+            shard = cfg.role(r).num_workers if r in LEARNERS and cfg.strategy != "ddp" else 1
+            out[r] = per[r] / shard / 2**30
+    return out
+
+
+def check_gpu_memory(cfg: PPOConfig, per_worker_gib: dict[str, float], gpus: float, gib_per_gpu: float) -> None:
+    """The started roles' lower-bound memory (``weight_memory_gib``) fits on the GPUs they share."""
+    need = sum(cfg.role(r).num_workers * g for r, g in per_worker_gib.items())
+    have = gpus * gib_per_gpu
+    if need <= have:
+        return
+    roles = ", ".join(f"{r} {cfg.role(r).num_workers}x{g:.1f}" for r, g in per_worker_gib.items())
+    fix = ("set ppo.critic_lora_rank (e.g. 16): a LoRA critic keeps the reward model's body in bf16 with no gradients or "
+           "optimizer state for it, and serves the reward model too (ppo.reward_model shared); or "
+           if cfg.critic_lora_rank == 0 and "critic" in per_worker_gib else "")
+    raise ValueError(f"ppo roles need at least {need:.0f} GiB of GPU memory for weights and optimizer state alone "
+                     f"({roles} GiB per worker) but {gpus:g} GPU(s) of {gib_per_gpu:.0f} GiB hold {have:.0f}: {fix}"
+                     "use more GPUs (more num_workers with ppo.strategy fsdp shard the learners), or a smaller model")
 
 
 def _multiple(n: int, k: int) -> int:

@@ -16,6 +16,7 @@ import os
 from typing import Any
 
 from tasks.common.dist import free_port, init_distributed, node_ip, placement_bundles
+from tasks.common.model import transformer_blocks
 from tasks.ppo.config import ROLES, PPOConfig, RoleConfig
 
 
@@ -60,24 +61,26 @@ def role_bundles(cfg: PPOConfig) -> tuple[list[dict[str, float]], dict[str, int]
     Separate: one bundle per worker, role after role, so ``ppo.placement`` acts across all of
     them (STRICT_SPREAD: every worker on its own node; STRICT_PACK: all on one node). Colocate:
     bundle i holds worker i of every role that has one, so those share a node (and its GPUs).
+    Only the roles that start (``cfg.started_roles``) hold bundles.
     """
+    roles = cfg.started_roles
     if not cfg.colocate:
         bundles, first, labels = [], {}, []
-        for r in ROLES:
+        for r in roles:
             rc = cfg.role(r)
             first[r] = len(bundles)
             bundles += placement_bundles(rc.num_workers, rc.cpus_per_worker, rc.gpus_per_worker)
             labels += [f"{r} worker {i}" for i in range(rc.num_workers)]
         return bundles, first, labels
     bundles, labels = [], []
-    for i in range(max(cfg.role(r).num_workers for r in ROLES)):
-        roles = [r for r in ROLES if cfg.role(r).num_workers > i]
-        b = {"CPU": sum(cfg.role(r).cpus_per_worker for r in roles)}
-        if any(cfg.role(r).gpus_per_worker for r in roles):
-            b["GPU"] = sum(cfg.role(r).gpus_per_worker for r in roles)
+    for i in range(max(cfg.role(r).num_workers for r in roles)):
+        here = [r for r in roles if cfg.role(r).num_workers > i]
+        b = {"CPU": sum(cfg.role(r).cpus_per_worker for r in here)}
+        if any(cfg.role(r).gpus_per_worker for r in here):
+            b["GPU"] = sum(cfg.role(r).gpus_per_worker for r in here)
         bundles.append(b)
-        labels.append(f"worker {i} of {'+'.join(roles)}")
-    return bundles, {r: 0 for r in ROLES}, labels
+        labels.append(f"worker {i} of {'+'.join(here)}")
+    return bundles, {r: 0 for r in roles}, labels
 
 
 def _fits(bundle: dict[str, float], have: dict[str, float]) -> bool:
@@ -151,7 +154,7 @@ def create_placement_groups(cfg: PPOConfig, timeout_s: float = 120) -> dict[str,
         remove_placement_group(pg)
         raise TimeoutError(f"{shape} not placed within {timeout_s:g} s: resources are in use by other work; "
                            f"{has} in total, {_fmt(ray.available_resources())} free now")
-    return {r: pg for r in ROLES}
+    return {r: pg for r in cfg.started_roles}
 
 
 class RoleGroup:
@@ -226,25 +229,20 @@ class DistributedWorker:
         init_distributed(self.rank, self.world_size, addr, port, backend="nccl" if self.device == "cuda" else "gloo")
 
     def memory_stats(self) -> dict[str, float]:
-        """Peak and current GPU memory this actor's torch allocated, in GiB (empty on CPU)."""
+        """This actor's peak memory in GiB: on CUDA what its torch allocated and reserved
+        (``torch.cuda.max_memory_allocated``), on CPU the process's peak resident set size."""
+        import resource
+
         import torch
 
         if self.device != "cuda":
-            return {}
+            return {"peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}  # KiB on Linux
         return {"peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
                 "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
                 "allocated_gib": torch.cuda.memory_allocated() / 2**30}
 
 
 # ----------------------------------------------------------------------------- strategies
-
-def shard_units(model) -> list:
-    """Modules FSDP2 shards one by one: the transformer blocks (``_no_split_modules``)."""
-    names = set()
-    for m in model.modules():
-        names.update(getattr(m, "_no_split_modules", None) or [])
-    return [m for m in model.modules() if type(m).__name__ in names]
-
 
 def compile_blocks(model) -> int:
     """Regional compilation: ``torch.compile`` every transformer block of ``model`` in place.
@@ -254,7 +252,7 @@ def compile_blocks(model) -> int:
     stay eager. Forwards must pass ``use_cache=False``: a KV cache's per-layer index would force
     one compile per layer. Returns the number of blocks compiled.
     """
-    blocks = shard_units(model)
+    blocks = transformer_blocks(model)
     for block in blocks:
         block.compile()
     return len(blocks)
@@ -283,7 +281,7 @@ def wrap_learner(model, lr: float, strategy: str, device: str):
     if strategy == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
-        for unit in shard_units(model):
+        for unit in transformer_blocks(model):
             fully_shard(unit)
         fully_shard(model)
         return model, torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=lr), model

@@ -10,6 +10,13 @@ with ``FastGenerator`` (static KV cache, the whole decode step as a CUDA graph) 
 of its weights with the LoRA adapter merged in, re-filled in place before every rollout, so an
 optimizer step is seen by the next rollout; else the plain loop.
 
+The KL reference with ``ppo.reference`` 'shared' (default): the actor loads the SFT adapter a
+second time, frozen, as adapter ``reference`` on its own base, and ``reference_logprobs`` runs
+the forward with that adapter active (``_active_adapter``): the base weights are in memory once
+and only the adapter's weights are doubled. Before the first update the two adapters are equal
+and the forward is the same code, so the KL is exactly 0. (Disabling the adapter, as TRL does,
+would give the pretrained base, not the SFT policy this pipeline starts PPO from.)
+
 Learners run in eval mode: dropout (the SFT adapter's LoRA dropout) stays off, so log-probs at
 learning time match the rollout's (TRL disables dropout in PPO for the same reason).
 
@@ -21,6 +28,7 @@ the learners' transformer blocks are ``torch.compile``d.
 from __future__ import annotations
 
 import random
+from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
@@ -28,6 +36,7 @@ from torch import Tensor
 
 from storage.store import ArtifactRef
 from tasks.common.loop import autocast
+from tasks.common.model import checkpoint_blocks
 from tasks.ppo.config import PPOConfig
 from tasks.ppo.fast_generate import fast_generate_applies
 from tasks.ppo.group import DistributedWorker, agree_finished, compile_blocks, full_state, load_full_state, wants_compile, wrap_learner
@@ -75,6 +84,26 @@ def _digest(weights: dict) -> float:
     return float(sum((v.double() * (i + 1)).sum() for i, (_, v) in enumerate(sorted(weights.items()))))
 
 
+REFERENCE_ADAPTER = "reference"
+
+
+@contextmanager
+def active_adapter(model, name: str):
+    """Run ``model``'s LoRA layers with adapter ``name`` only, leaving ``requires_grad`` as it is
+    (PEFT's ``set_adapter`` would make that adapter trainable and freeze the others)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    before = [m._active_adapter for m in layers]
+    for m in layers:
+        m._active_adapter = [name]
+    try:
+        yield
+    finally:
+        for m, b in zip(layers, before):
+            m._active_adapter = b
+
+
 class _LearnerMixin:
     """Shared by the two learners: optimizer step and state for checkpoints."""
 
@@ -84,12 +113,22 @@ class _LearnerMixin:
         self.optim.step()
         self.optim.zero_grad(set_to_none=True)
 
-    def state(self) -> dict:
-        """{'weights', 'optim', 'rng'}: full trainable weights and optimizer state (rank 0's are
-        complete; collective for sharded strategies) and this rank's RNG states."""
+    def save_checkpoint(self, store, key: str, iteration: int) -> dict:
+        """Write this rank's shard of the checkpoint straight to the store (``tasks.ppo.checkpoint``):
+        rank 0 the full trainable weights and optimizer state (collective for sharded strategies:
+        every rank calls it), every rank its RNG states. Returns the shard's ref as a dict."""
+        from tasks.ppo.checkpoint import write_shard
+
         weights, optim = full_state(self.model, self.optim)
-        return {"weights": weights if self.rank == 0 else None, "optim": optim if self.rank == 0 else None,
-                "rng": _rng_state(*self._generators())}
+        ref = write_shard(store, key, iteration, self.role, self.rank, weights if self.rank == 0 else None,
+                          optim if self.rank == 0 else None, _rng_state(*self._generators()))
+        return ref.model_dump(mode="json")
+
+    def load_checkpoint(self, store, full: ArtifactRef, mine: ArtifactRef) -> None:
+        """Restore from rank 0's shard (weights, optimizer) and this rank's (RNG), read from the store."""
+        from tasks.ppo.checkpoint import read_shard
+
+        self.load_state(**read_shard(store, full, mine))
 
     def load_state(self, weights: dict, optim: dict, rng: dict) -> None:
         load_full_state(self.model, weights, self.optim, optim)
@@ -112,7 +151,11 @@ class PolicyWorker(_LearnerMixin, DistributedWorker):
 
         self.ppo, self.pad_id, self.stop_ids = ppo, pad_id, stop_ids
         base = load_causal_lm(model_cfg, self.device)
-        peft = PeftModel.from_pretrained(base, str(store.fetch(sft) / "adapter"), is_trainable=True).eval()
+        adapter = str(store.fetch(sft) / "adapter")
+        peft = PeftModel.from_pretrained(base, adapter, is_trainable=True).eval()
+        if ppo.reference == "shared":  # the frozen SFT policy for the KL, on the same base (module docstring)
+            peft.load_adapter(adapter, adapter_name=REFERENCE_ADAPTER, is_trainable=False)
+        checkpoint_blocks(peft, ppo.gradient_checkpointing, self.device)
         if wants_compile(ppo.compile, self.device):
             compile_blocks(peft)
         self.model, self.optim, self.infer_model = wrap_learner(peft, ppo.actor_lr, self.strategy, self.device)
@@ -178,6 +221,16 @@ class PolicyWorker(_LearnerMixin, DistributedWorker):
                                         rollout.action_mask.shape[1], self.ppo.temperature)
         return logp.cpu(), ent.cpu()
 
+    @torch.no_grad()
+    def reference_logprobs(self, rollout) -> Tensor:
+        """Log-probs of the rollout's actions under the frozen SFT adapter (``ppo.reference`` 'shared')."""
+        from tasks.ppo.generation import forward_actions
+
+        with active_adapter(self.infer_model, REFERENCE_ADAPTER), autocast(self.device):
+            logp, _ = forward_actions(self.infer_model, rollout.sequences.to(self.device), rollout.attention_mask.to(self.device),
+                                      rollout.action_mask.shape[1], self.ppo.temperature)
+        return logp.cpu()
+
     def learn(self, *experience: Experience) -> dict[str, float]:
         """ppo_epochs passes over this rank's minibatches, one optimizer step each."""
         from tasks.ppo.generation import action_logprobs
@@ -219,7 +272,7 @@ class PolicyWorker(_LearnerMixin, DistributedWorker):
         if self.rank != 0:
             return None
         with tempfile.TemporaryDirectory() as tmp:
-            self.infer_model.save_pretrained(tmp, state_dict=weights)
+            self.infer_model.save_pretrained(tmp, state_dict=weights, selected_adapters=["default"])
             return {p.name: p.read_bytes() for p in Path(tmp).iterdir() if p.is_file()}
 
 
@@ -236,7 +289,7 @@ class ReferenceWorker(DistributedWorker):
         self.model = PeftModel.from_pretrained(base, str(store.fetch(sft) / "adapter")).eval().requires_grad_(False)
 
     @torch.no_grad()
-    def logprobs(self, rollout) -> Tensor:
+    def reference_logprobs(self, rollout) -> Tensor:
         from tasks.ppo.generation import action_logprobs
 
         with autocast(self.device):
@@ -274,19 +327,48 @@ class _Values(torch.nn.Module):
 
 
 class CriticWorker(_LearnerMixin, DistributedWorker):
-    """Value model initialised from the reward model (full parameters); learns the returns."""
+    """Value model initialised from the reward model; learns the returns. Full parameters, or with
+    ``ppo.critic_lora_rank`` a LoRA adapter on the frozen body (bf16 on CUDA) + the value head;
+    then with ``ppo.reward_model`` 'shared' it also serves the reward model's scores (``score``)."""
 
     def load(self, store, rm: ArtifactRef, ppo: PPOConfig) -> None:
+        import copy
+
         from tasks.rm.model import load_reward_model
 
         self.ppo = ppo
-        rm = load_reward_model(str(store.fetch(rm)), device=self.device).eval()
-        rm.requires_grad_(True)
+        # built on the CPU and moved once: an 8B body is cast to bf16 before it reaches the GPU
+        rm = load_reward_model(str(store.fetch(rm)), device="cpu").eval()
+        if ppo.critic_lora_rank:
+            from peft import LoraConfig, get_peft_model
+
+            from tasks.sft.lora import resolve_target_modules
+
+            self.reward_head = copy.deepcopy(rm.head).requires_grad_(False).to(self.device)  # fp32, as trained
+            rm.requires_grad_(False)
+            if self.device == "cuda":
+                rm.body.to(torch.bfloat16)
+            targets = resolve_target_modules("auto", rm.body, field="ppo.critic_lora_rank")
+            rm.body = get_peft_model(rm.body, LoraConfig(r=ppo.critic_lora_rank, lora_alpha=ppo.critic_lora_alpha,
+                                                         target_modules=targets, task_type="FEATURE_EXTRACTION"))
+            rm.head.requires_grad_(True)
+        else:
+            rm.requires_grad_(True)
+        rm.to(self.device)
+        checkpoint_blocks(rm, ppo.gradient_checkpointing, self.device)
         if wants_compile(ppo.compile, self.device):
             compile_blocks(rm)
         self.model, self.optim, self.infer_model = wrap_learner(_Values(rm), ppo.critic_lr, self.strategy, self.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.learn_gen = torch.Generator().manual_seed(self.seed * 7919 + 202 + self.rank)
+
+    @torch.no_grad()
+    def score(self, rollout) -> Tensor:
+        """The frozen reward model's score (``ppo.reward_model`` 'shared'): this worker's body with
+        the LoRA adapter disabled, which is the reward model's body, and its head as loaded."""
+        rm = self.infer_model.rm
+        with rm.body.disable_adapter(), autocast(self.device):
+            return rm(rollout.sequences.to(self.device), rollout.attention_mask.to(self.device), head=self.reward_head).float().cpu()
 
     def _generators(self):
         return (self.learn_gen,)

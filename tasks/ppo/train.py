@@ -3,8 +3,9 @@
 ``train_ppo`` knows nothing of Prefect. The driver only samples prompts and moves object refs:
 rollouts go from the actor workers straight to the other roles, experience is made in a Ray
 task, and each learner rank receives its share of experience refs (``refs[i::n]``). Every
-``checkpoint_every`` iterations a checkpoint artifact is published; a new run with the same key
-resumes from the newest one. See tasks/ppo/checkpoint.py for what they hold.
+``checkpoint_every`` iterations every learner rank writes its shard of a checkpoint to the store
+and the driver publishes the checkpoint over them; a new run with the same key resumes from the
+newest one. See tasks/ppo/checkpoint.py for what they hold.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from tasks.common.model import ModelConfig, check_model_exists, load_tokenizer, 
 from tasks.common.tracking import Tracker, TrackingConfig
 from tasks.data.dataset import read_jsonl
 from tasks.ppo.checkpoint import latest_checkpoint, load_checkpoint, publish_final, save_checkpoint
-from tasks.ppo.config import LEARNERS, ROLES, PPOConfig
+from tasks.ppo.config import LEARNERS, PPOConfig, check_gpu_fit, resolve_placement
 from tasks.ppo.fast_generate import check_fast_generate
 from tasks.ppo.group import RoleGroup, check_cluster, create_placement_groups, role_bundles, role_device
 
@@ -55,7 +56,8 @@ def check_ppo(cfg: PPOConfig) -> None:
                 f"ppo.strategy {cfg.strategy!r} needs ColossalAI: pip install --no-deps colossalai==0.5.0 einops "
                 f"contexttimer (CUDA only); or use ppo.strategy 'ddp' / 'fsdp' ({type(e).__name__}: {e})"
             ) from None
-        if not all(cfg.role(r).gpus_per_worker > 0 for r in LEARNERS) or cfg.device == "cpu":
+        # unset (None) GPUs are chosen later, for the GPUs there are; 0 written is CPU
+        if any(cfg.role(r).gpus_per_worker == 0 for r in LEARNERS) or cfg.device == "cpu":
             raise ValueError(
                 f"ppo.strategy {cfg.strategy!r} needs CUDA (ColossalAI's LowLevelZero and Gemini plugins do not run on "
                 "CPU): give ppo.actor and ppo.critic gpus_per_worker > 0, or use ppo.strategy 'ddp' / 'fsdp' on CPU"
@@ -138,10 +140,16 @@ def train_ppo(cfg: PPOConfig, model: ModelConfig, store: ArtifactStore, data: Ar
         raise ValueError(f"ppo.ptx_coef ({cfg.ptx_coef}) > 0 but the dataset's ptx_train.jsonl is empty: set data.ptx_path or ppo.ptx_coef 0")
     if not ray.is_initialized():
         ray.init(address=os.environ.get("RAY_ADDRESS"))
+    gpus = ray.cluster_resources().get("GPU", 0.0)
+    cfg = resolve_placement(cfg, gpus)
+    check_ppo(cfg)
     check_cluster(cfg)
+    check_gpu_fit(cfg, gpus, "the Ray cluster")
+    placement = placement_summary(cfg, gpus)
+    log.info("ppo placement: %s", describe_placement(placement))
 
     inputs = {"data": data, "sft": sft, "rm": rm}
-    config = {"ppo": cfg.model_dump(mode="json"), "model": model.identity(), "seed": seed}
+    config = {"ppo": cfg.model_dump(mode="json"), "model": model.identity(), "seed": seed, "placement": placement}
     pgs, groups = create_placement_groups(cfg), {}
     tracker = Tracker("ppo", tracking, config, cfg.num_iterations)
     try:
@@ -152,8 +160,8 @@ def train_ppo(cfg: PPOConfig, model: ModelConfig, store: ArtifactStore, data: Ar
         history: list[dict] = []
         start = 0
         if not force and (ckpt := latest_checkpoint(store, key)) is not None:
-            states, driver = load_checkpoint(store, ckpt, {r: cfg.role(r).num_workers for r in LEARNERS})
-            ray.get([w.load_state.remote(**s) for r in LEARNERS for w, s in zip(groups[r].workers, states[r])])
+            shards, driver = load_checkpoint(store, ckpt, {r: cfg.role(r).num_workers for r in LEARNERS})
+            ray.get([w.load_checkpoint.remote(store, shards[r][0], mine) for r in LEARNERS for w, mine in zip(groups[r].workers, shards[r])])
             start, history = driver["iteration"], driver["history"]
             sampler = PromptSampler(len(prompts), seed, **driver["sampler"])
             kl_ctl.load_state_dict(driver["kl"])
@@ -171,13 +179,16 @@ def train_ppo(cfg: PPOConfig, model: ModelConfig, store: ArtifactStore, data: Ar
                 history.append(run.evaluate(it))
                 _track(tracker, history, history[-1])
             if it % cfg.checkpoint_every == 0 and it < cfg.num_iterations:
-                states = {r: ray.get([w.state.remote() for w in groups[r].workers]) for r in LEARNERS}
+                # each rank writes its shard to the store; the driver publishes the checkpoint over them
+                shards = {r: ray.get([w.save_checkpoint.remote(store, key, it) for w in groups[r].workers]) for r in LEARNERS}
                 driver = {"sampler": sampler.state_dict(), "kl": kl_ctl.state_dict(), "history": history}
-                save_checkpoint(store, key, it, states, driver, config, inputs)
+                save_checkpoint(store, key, it, shards, driver, config, inputs)
             if on_iteration is not None:
                 on_iteration(it, metrics)
         adapter = ray.get([w.adapter_files.remote() for w in groups["actor"].workers])[0]
-        ref = publish_final(store, key, adapter, data_dir / "tokenizer", history, _summary(history), config, inputs,
+        memory = peak_memory(groups)
+        log.info("ppo peak memory per role (GiB, max over ranks): %s", ", ".join(f"{k.split('/', 1)[1]} {v:.2f}" for k, v in memory.items()))
+        ref = publish_final(store, key, adapter, data_dir / "tokenizer", history, {**_summary(history), **memory}, config, inputs,
                             add_files=tracker.write_into)
         tracker.finish(ref.uri)
         log.info("ppo: published %s", ref.uri)
@@ -211,6 +222,55 @@ def samples_markdown(first: dict, now: dict) -> str:
     return "\n".join(rows)
 
 
+def check_ppo_memory(cfg: PPOConfig, model: ModelConfig, gpus: float) -> dict[str, float]:
+    """Before any model loads, on a machine whose torch sees CUDA: the roles' weights and optimizer
+    state fit on the GPUs (``weight_memory_gib``, counted on weightless skeletons). Returns the
+    estimate (GiB per worker; empty where no role holds a GPU or torch sees none). Run by
+    ``flows.preflight.check_local_gpus`` for a local Ray (on a cluster the driver does not know
+    the nodes' GPUs)."""
+    from tasks.ppo.config import check_gpu_memory, weight_memory_gib
+    from tasks.ppo.fast_generate import fast_generate_applies
+    from tasks.sft.lora import model_skeleton
+
+    if not torch.cuda.is_available() or not any(cfg.role(r).gpus_per_worker for r in cfg.started_roles):
+        return {}
+    lm, body = model_skeleton(model), model_skeleton(model, body_only=True)
+    fast = fast_generate_applies("auto" if cfg.fast_generate == "on" else cfg.fast_generate, cfg.strategy, "cuda", lm.config)
+    est = weight_memory_gib(cfg, sum(p.numel() for p in lm.parameters()), sum(p.numel() for p in body.parameters()), fast)
+    check_gpu_memory(cfg, est, gpus, torch.cuda.get_device_properties(0).total_memory / 2**30)
+    return est
+
+
+def placement_summary(cfg: PPOConfig, gpus: float) -> dict:
+    """Where the roles run (``cfg`` resolved), for the log and the manifest."""
+    from tasks.ppo.group import role_device
+
+    roles = {r: {"num_workers": cfg.role(r).num_workers, "gpus_per_worker": cfg.role(r).gpus_per_worker,
+                 "cpus_per_worker": cfg.role(r).cpus_per_worker, "device": role_device(cfg, r)} for r in cfg.started_roles}
+    return {"cluster_gpus": gpus, "colocate": cfg.colocate, "reference": cfg.reference, "roles": roles}
+
+
+def peak_memory(groups: dict[str, RoleGroup]) -> dict[str, float]:
+    """``memory/<role>/<stat>``: each role's peak memory, the largest over its ranks (GiB; CUDA:
+    ``torch.cuda.max_memory_allocated`` / reserved, CPU: peak RSS of the worker process)."""
+    import ray
+
+    out = {}
+    for role, g in groups.items():
+        for stats in ray.get([w.memory_stats.remote() for w in g.workers]):
+            for k, v in stats.items():
+                out[f"memory/{role}/{k}"] = max(v, out.get(f"memory/{role}/{k}", 0.0))
+    return out
+
+
+def describe_placement(p: dict) -> str:
+    roles = ", ".join(f"{r} {v['num_workers']}x({v['gpus_per_worker']:g} GPU, {v['cpus_per_worker']:g} CPU, {v['device']})"
+                      for r, v in p["roles"].items())
+    ref = "initial: the actor's base with a frozen SFT adapter" if p["reference"] == "shared" else "initial: its own group"
+    reward = "reward: the critic's base, adapter disabled" if "reward" not in p["roles"] else "reward: its own group"
+    return f"{roles}; colocate={p['colocate']}; {ref}; {reward}; cluster GPUs {p['cluster_gpus']:g}"
+
+
 def _kl_controller(cfg: PPOConfig):
     from tasks.ppo.losses import AdaptiveKLController, FixedKLController
 
@@ -227,12 +287,12 @@ def start_roles(cfg, model, store, data, sft, rm, seed, tokenizer, pgs, stop_ids
     classes = {"actor": PolicyWorker, "critic": CriticWorker, "initial": ReferenceWorker, "reward": RewardWorker}
     first = role_bundles(cfg)[1]
     groups = {r: RoleGroup(r, classes[r], cfg.role(r), pgs[r], cfg.strategy, seed, role_device(cfg, r), first[r])
-              for r in ROLES}
+              for r in cfg.started_roles}
     ray.get([ref for g in groups.values() for ref in g.connect()])
     # refs, not keys: every worker's fetch checks that the store holds the content PPO was keyed on
     loads = [w.load.remote(model, store, sft, data, cfg, tokenizer.pad_token_id, stop_ids) for w in groups["actor"].workers]
-    loads += [w.load.remote(model, store, sft, cfg) for w in groups["initial"].workers]
-    loads += [w.load.remote(store, rm) for w in groups["reward"].workers]
+    loads += [w.load.remote(model, store, sft, cfg) for w in (groups["initial"].workers if "initial" in groups else [])]
+    loads += [w.load.remote(store, rm) for w in (groups["reward"].workers if "reward" in groups else [])]
     loads += [w.load.remote(store, rm, cfg) for w in groups["critic"].workers]
     ray.get(loads)
     return groups
@@ -260,11 +320,14 @@ class PPORun:
         self.make_experience = ray.remote(make_experience)
 
     def _score(self, rollouts: list) -> tuple[list, list, list]:
-        """(policy (logp, entropy), reference logp, reward score) refs, chunk j to worker j % n."""
+        """(policy (logp, entropy), reference logp, reward score) refs, chunk j to worker j % n. The
+        reference is the `initial` group's, or with ``ppo.reference`` 'shared' the actor's; the score the
+        `reward` group's, or the critic's when it serves the reward model (``ppo.reward_model``)."""
         g = self.g
+        reference, reward = g.get("initial", g["actor"]), g.get("reward", g["critic"])
         return ([g["actor"].deal(j).logprobs.remote(r) for j, r in enumerate(rollouts)],
-                [g["initial"].deal(j).logprobs.remote(r) for j, r in enumerate(rollouts)],
-                [g["reward"].deal(j).score.remote(r) for j, r in enumerate(rollouts)])
+                [reference.deal(j).reference_logprobs.remote(r) for j, r in enumerate(rollouts)],
+                [reward.deal(j).score.remote(r) for j, r in enumerate(rollouts)])
 
     def iteration(self, it: int, prompts: list[list[int]], kl_ctl) -> dict:
         import ray

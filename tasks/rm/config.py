@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tasks.common.model import CHECKPOINT_HELP, CheckpointMode
+
 
 class RewardConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -27,3 +29,4 @@ class RewardConfig(BaseModel):
     log_every: int = Field(10, gt=0, description="Log every N optimizer steps.")
     num_workers: int = Field(1, gt=0, description="Data-parallel workers (DDP).")
     device: str = Field("auto", description="'auto', 'cpu' or 'cuda'.")
+    gradient_checkpointing: CheckpointMode = Field("auto", description=CHECKPOINT_HELP)

@@ -52,20 +52,22 @@ class RewardModel(nn.Module):
         # no KV cache: nothing reads it, and its per-layer index defeats compiled blocks
         self._no_cache = {"use_cache": False} if "use_cache" in params else {}
 
-    def values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """(B, T) ids and 0/1 mask -> (B, T) float: the head's output at every token."""
+    def values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, head: nn.Module | None = None) -> torch.Tensor:
+        """(B, T) ids and 0/1 mask -> (B, T) float: the head's output at every token (``head``:
+        another head on the same body, e.g. the frozen reward head beside a LoRA critic's)."""
+        head = self.head if head is None else head
         kwargs = dict(self._no_cache)
         if self._positions:
             kwargs["position_ids"] = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         hidden = self.body(input_ids=input_ids, attention_mask=attention_mask, **kwargs).last_hidden_state
-        return self.head(hidden.to(self.head.weight.dtype)).squeeze(-1)
+        return head(hidden.to(head.weight.dtype)).squeeze(-1)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, head: nn.Module | None = None) -> torch.Tensor:
         """(B, T) ids and 0/1 mask -> (B,) score read at each row's last attended token."""
         if not bool((attention_mask.sum(-1) > 0).all()):
             raise ValueError("RewardModel: a row of attention_mask is all padding; every sequence needs a token to score")
         idx = last_token_index(attention_mask)
-        return self.values(input_ids, attention_mask).gather(1, idx[:, None]).squeeze(1)
+        return self.values(input_ids, attention_mask, head).gather(1, idx[:, None]).squeeze(1)
 
 
 def build_reward_model(model_cfg, device: str = "cpu", lora=None) -> RewardModel:
@@ -74,9 +76,10 @@ def build_reward_model(model_cfg, device: str = "cpu", lora=None) -> RewardModel
 
     from tasks.common.model import torch_dtype
 
-    # 'auto' keeps fp32 master weights here (autocast gives bf16 compute on CUDA): AdamW on bf16
-    # parameters of a full-parameter model loses small updates.
-    dtype = torch.float32 if model_cfg.dtype == "auto" else torch_dtype(model_cfg, device)
+    # 'auto' keeps fp32 master weights for full-parameter training (autocast gives bf16 compute on
+    # CUDA): AdamW on bf16 parameters loses small updates. With LoRA the frozen body is bf16 on
+    # CUDA; PEFT keeps the adapter weights (and so their optimizer state) in fp32.
+    dtype = torch.float32 if model_cfg.dtype == "auto" and lora is None else torch_dtype(model_cfg, device)
     body = AutoModel.from_pretrained(model_cfg.path(), revision=model_cfg.revision, dtype=dtype,
                                      trust_remote_code=model_cfg.trust_remote_code)
     if lora is not None:

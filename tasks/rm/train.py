@@ -15,7 +15,7 @@ import torch
 
 from storage.keys import code_version, stage_key
 from storage.store import ArtifactRef, ArtifactStore
-from tasks.common.model import ModelConfig, load_tokenizer, pick_device
+from tasks.common.model import ModelConfig, load_tokenizer, pick_device, placement_record, checkpoint_blocks
 from tasks.data.dataset import collate_pairs, read_jsonl
 from tasks.rm.config import RewardConfig
 from tasks.rm.loss import pairwise_loss
@@ -84,6 +84,7 @@ def _fit(cfg, model_cfg, store, data, seed, key, targets, tracking) -> dict | No
     torch.manual_seed(seed)
     lora = lora_config(cfg, targets, task_type="FEATURE_EXTRACTION") if cfg.lora_rank else None
     model = build_reward_model(model_cfg, device, lora)
+    checkpointing = checkpoint_blocks(model, cfg.gradient_checkpointing, device)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = loop.warmup_cosine(opt, int(cfg.warmup_ratio * total), total)
@@ -114,13 +115,14 @@ def _fit(cfg, model_cfg, store, data, seed, key, targets, tracking) -> dict | No
         window = losses[history[-2][0] if len(history) > 1 else 0:]  # the steps since the previous eval
         metrics = {"rm/eval_accuracy": history[-1][1], "rm/eval_margin": history[-1][2], "rm/train_loss": sum(window) / len(window),
                    "rm/eval_accuracy_start": start[0], "rm/steps": total, "rm/eval_history": history,
-                   "rm/ddp_weight_max_diff": loop.max_weight_diff(params)}
+                   "rm/ddp_weight_max_diff": loop.max_weight_diff(params), "rm/gradient_checkpointing": checkpointing}
         if rank != 0:
             return None
         with tempfile.TemporaryDirectory() as tmp:
             save_reward_model(model, tmp, data_dir / "tokenizer", extra={"pad_token_id": pad_id})
             tracker.write_into(tmp)
-            ref = store.publish(key, tmp, kind=KIND, config=config, inputs={"data": data}, metrics=metrics)
+            ref = store.publish(key, tmp, kind=KIND, config=config, inputs={"data": data}, metrics=metrics,
+                                extra={"placement": placement_record(device)})
         tracker.finish(ref.uri)
     logger.info("rm: published %s eval accuracy %.3f -> %.3f", ref.uri, start[0], metrics["rm/eval_accuracy"])
     return ref.model_dump()

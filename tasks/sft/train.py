@@ -24,7 +24,7 @@ import torch
 
 from storage.keys import code_version, stage_key
 from storage.store import ArtifactRef, ArtifactStore
-from tasks.common.model import ModelConfig, load_causal_lm, load_tokenizer, pick_device
+from tasks.common.model import ModelConfig, load_causal_lm, load_tokenizer, pick_device, placement_record, checkpoint_blocks
 from tasks.data.dataset import collate_lm, read_jsonl
 from tasks.common import loop
 from tasks.common.tracking import Tracker, TrackingConfig
@@ -109,6 +109,7 @@ def _fit(cfg, model_cfg, store, data, seed, key, targets, stop_after, tracking) 
         model = PeftModel.from_pretrained(base, str(ckpt / "adapter"), is_trainable=True)
     else:
         model = get_peft_model(base, lora_config(cfg, targets))
+    checkpointing = checkpoint_blocks(model, cfg.gradient_checkpointing, device)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = loop.warmup_cosine(opt, int(cfg.warmup_ratio * total), total)
@@ -142,13 +143,14 @@ def _fit(cfg, model_cfg, store, data, seed, key, targets, stop_after, tracking) 
         metrics = {"sft/eval_loss_start": state["eval_loss_start"], "sft/eval_loss": state["eval_history"][-1][1],
                    "sft/train_loss": state["train_loss"], "sft/steps": state["step"], "sft/tokens_per_s": throughput,
                    "sft/ddp_weight_max_diff": loop.max_weight_diff(params), "sft/eval_history": state["eval_history"],
-                   "sft/resumed_from_step": state["resumed_from_step"]}
+                   "sft/resumed_from_step": state["resumed_from_step"], "sft/gradient_checkpointing": checkpointing}
         with tempfile.TemporaryDirectory() as tmp:
             save(Path(tmp))
             if rank != 0:
                 return None
             tracker.write_into(tmp)
-            ref = store.publish(key, tmp, kind=KIND, config=config, inputs={"data": data}, metrics=metrics)
+            ref = store.publish(key, tmp, kind=KIND, config=config, inputs={"data": data}, metrics=metrics,
+                                extra={"placement": placement_record(device)})
         tracker.finish(ref.uri)
         store.delete(partial_key(key))
         logger.info("sft: published %s eval_loss %.4f -> %.4f", ref.uri, metrics["sft/eval_loss_start"], metrics["sft/eval_loss"])
