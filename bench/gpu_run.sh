@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The GPU checks of the flow in one device call (issue 13): run from the project root on the GPU
+# machine with the packages of ../shared/device/pack-flow.sh in .devcarry/ (see bench/RESULTS.md).
+#   bash bench/gpu_run.sh tests default 1.5b 8b        # each step writes its logs to $OUT
+# default = the README's first command (`rlhf run`, embedded default, GPU by default); 1.5b / 8b =
+# bench/gpu_shapes.py's shapes through the flow; EXTRA="--set k=v ..." is added to their runs.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+[ -d /tmp/site/prefect ] || { mkdir -p /tmp/site && tar -C /tmp/site -xJf .devcarry/flow-lean.tar.xz; }
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 PREFECT_SERVER_ANALYTICS_ENABLED=false
+gpumon() { nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv,noheader,nounits -lms 250 > "$1" & echo $!; }
+flow() {  # flow NAME ARGS...: `rlhf run` timed, with the GPU sampled every 250 ms
+  local name=$1; shift
+  local mon; mon=$(gpumon "$OUT/gpu_$name.csv")
+  local t0; t0=$(date +%s.%N)
+  timeout "${FLOW_TIMEOUT:-540}" python3 -m flows.cli run "$@" > "$OUT/run_$name.log" 2>&1; local rc=$?
+  echo "rc=$rc wall_s=$(echo "$(date +%s.%N) - $t0" | bc)" >> "$OUT/run_$name.log"
+  kill "$mon"
+  [ $rc = 0 ] || tail -30 ~/.prefect/rlhf-server.log >> "$OUT/run_$name.log" 2>/dev/null
+  grep -E "^rlhf: |placement|peak memory|rc=|Error|error:" "$OUT/run_$name.log" | tail -25
+}
+for step in "$@"; do
+  echo "== $step"
+  case $step in
+    tests) timeout 300 python3 -m pytest -q -p no:cacheprovider -m "not slow" tests/test_placement.py tests/test_memory.py \
+             tests/test_chat_models.py tests/test_fast_generate.py > "$OUT/tests.log" 2>&1; tail -6 "$OUT/tests.log" ;;
+    default) rm -rf /tmp/art-default; flow default --set store.uri=file:///tmp/art-default
+             python3 bench/gpu_summary.py /tmp/art-default "$OUT/gpu_default.csv" > "$OUT/summary_default.json"; cat "$OUT/summary_default.json" ;;
+    1.5b|8b) [ -f /tmp/s-$step/rlhf.yaml ] || python3 bench/gpu_shapes.py --shape "$step" --out /tmp/s-$step > "$OUT/shape_$step.log" 2>&1
+             flow "$step" --config /tmp/s-$step/rlhf.yaml ${EXTRA:-}
+             python3 bench/gpu_summary.py /tmp/s-$step/artifacts "$OUT/gpu_$step.csv" > "$OUT/summary_$step.json"; cat "$OUT/summary_$step.json" ;;
+  esac
+done
