@@ -79,7 +79,7 @@ class PPOConfig(BaseModel):
     fast_generate: Literal["auto", "on", "off"] = Field("auto", description="Rollouts with tasks/ppo/fast_generate.py (static KV cache; CUDA graphs on CUDA): 'auto' = on for CUDA actors of a Llama-family model with strategy 'ddp', 'on' = also on CPU (eager) and an error where it cannot apply, 'off' = the plain loop of tasks/ppo/generation.py.")
 
     gradient_checkpointing: CheckpointMode = Field("auto", description=CHECKPOINT_HELP + " For the learners (actor, critic).")
-    compile: Literal["auto", "on", "off"] = Field("auto", description="torch.compile each transformer block of the learners (actor, critic): fuses the norms, RoPE, activations and casts around the matmuls. 'auto' = on for CUDA roles (the first iteration pays ~1 min of compilation), 'on' = also on CPU, 'off' = eager.")
+    compile: Literal["auto", "on", "off"] = Field("auto", description="torch.compile each transformer block of the learners (actor, critic): fuses the norms, RoPE, activations and casts around the matmuls. 'auto' = on for CUDA roles of models of 50M+ parameters (the first iteration pays ~1 min of compilation), 'on' = also on CPU, 'off' = eager.")
 
     # -- evaluation, checkpoints, logging
     eval_every: int = Field(10, gt=0, description="Evaluate on prompts_eval every N iterations (and at start and end).")
