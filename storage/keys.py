@@ -33,8 +33,21 @@ ROOT = Path(__file__).resolve().parents[1]  # the project: top-level packages ta
 KEY_LIBRARIES = ("torch", "transformers", "tokenizers", "peft", "safetensors")
 
 
-def _module_file(name: str, root: Path) -> Path | None:
-    base = root.joinpath(*name.split("."))
+PROJECT_PACKAGES = ("flows", "storage", "tasks")
+
+
+@functools.cache
+def _package_root(top: str) -> Path:
+    """The folder holding top-level package ``top`` as this process imports it: ROOT in a checkout;
+    on a Ray cluster's node each package is its own ``py_modules`` folder (flows/runtime.py)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(top) if top in PROJECT_PACKAGES else None
+    return Path(spec.submodule_search_locations[0]).parent if spec and spec.submodule_search_locations else ROOT
+
+
+def _module_file(name: str, root: Path | None) -> Path | None:
+    base = (root or _package_root(name.split(".")[0])).joinpath(*name.split("."))
     if (base / "__init__.py").is_file():
         return base / "__init__.py"
     return base.with_suffix(".py") if base.with_suffix(".py").is_file() else None
@@ -57,9 +70,10 @@ def _imported_names(path: Path, name: str) -> set[str]:
     return out
 
 
-def import_closure(module: str, root: Path = ROOT) -> dict[str, Path]:
+def import_closure(module: str, root: Path | None = None) -> dict[str, Path]:
     """Module name -> file of every project module that importing (and running) ``module`` loads:
-    its imports, transitively, with the packages' ``__init__.py`` files on the way."""
+    its imports, transitively, with the packages' ``__init__.py`` files on the way. ``root``: a
+    tree to read instead of the packages this process imports (tests edit copies)."""
     found: dict[str, Path] = {}
     todo = [module]
     while todo:
@@ -72,7 +86,7 @@ def import_closure(module: str, root: Path = ROOT) -> dict[str, Path]:
             found[sub] = path
             todo.extend(_imported_names(path, sub))
     if module not in found:
-        raise ValueError(f"code_version({module!r}): no module {module} under {root}; name a project module, e.g. 'tasks.sft.train'")
+        raise ValueError(f"code_version({module!r}): no module {module} under {root or ROOT}; name a project module, e.g. 'tasks.sft.train'")
     return dict(sorted(found.items()))
 
 
@@ -89,7 +103,7 @@ def key_library_versions() -> dict[str, str]:
 
 
 @functools.cache
-def code_version(module: str, root: Path = ROOT) -> str:
+def code_version(module: str, root: Path | None = None) -> str:
     """sha256 over the source of ``module``'s project import closure and ``KEY_LIBRARIES``' versions."""
     h = hashlib.sha256()
     for name, path in import_closure(module, root).items():

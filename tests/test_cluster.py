@@ -111,7 +111,9 @@ def test_placement_shapes_and_what_can_never_be_placed():
     from tasks.ppo.config import PPOConfig
     from tasks.ppo.group import role_bundles, unplaceable
 
-    cfg = PPOConfig(actor={"num_workers": 2}, rollout_batch_size=16)
+    cfg = PPOConfig(actor={"num_workers": 2}, rollout_batch_size=16, reference="separate")
+    shared = role_bundles(cfg.model_copy(update={"reference": "shared"}))  # the actor serves the reference
+    assert shared[1] == {"actor": 0, "critic": 2, "reward": 3} and len(shared[0]) == 4
     bundles, first, labels = role_bundles(cfg)
     assert bundles == [{"CPU": 0.5}] * 5 and first == {"actor": 0, "critic": 2, "initial": 3, "reward": 4}
     assert labels[2] == "critic worker 0"
@@ -177,7 +179,7 @@ def s3_args(s3_server, prefix: str, *extra: str) -> list[str]:
     endpoint, bucket = s3_server
     out = ["run"]
     for s in [f"store.uri=s3://{bucket}/{prefix}", f"store.storage_options={{client_kwargs: {{endpoint_url: '{endpoint}'}}}}",
-              *SMALL, *extra]:
+              *SMALL, "ppo.reference=separate", *extra]:  # the seed's four role groups, each its own actors
         out += ["--set", s]
     return out
 

@@ -34,11 +34,16 @@ SAMPLES = 4  # held-out prompts whose responses each evaluation keeps (``eval/sa
 METRICS = ("reward_mean", "reward_std", "kl", "entropy", "policy_loss", "value_loss", "clip_fraction", "response_length")
 
 
+def read_parts(data: ArtifactRef, sft: ArtifactRef, rm: ArtifactRef) -> dict[str, ArtifactRef]:
+    """The inputs narrowed to the parts PPO reads: what it keys on, and what its workers check
+    they fetched (TensorBoard's event files, with wall times, must neither re-key PPO nor fail a
+    worker's check when a racing run republished the same key)."""
+    return {"data": data.only("tokenizer", "prompts_train.jsonl", "prompts_eval.jsonl", "ptx_train.jsonl"),
+            "sft": sft.only("adapter"), "rm": rm.only("model.safetensors", "config.json")}
+
+
 def ppo_key(cfg: PPOConfig, model: ModelConfig, data: ArtifactRef, sft: ArtifactRef, rm: ArtifactRef, seed: int) -> str:
-    return stage_key("ppo", {"ppo": cfg, "model": model.identity(), "seed": _seed(cfg, seed)},
-                     {"data": data.only("tokenizer", "prompts_train.jsonl", "prompts_eval.jsonl", "ptx_train.jsonl"),
-                      # the parts PPO reads: TensorBoard's event files (wall times) must not re-key it
-                      "sft": sft.only("adapter"), "rm": rm.only("model.safetensors", "config.json")},
+    return stage_key("ppo", {"ppo": cfg, "model": model.identity(), "seed": _seed(cfg, seed)}, read_parts(data, sft, rm),
                      code_version(__name__))
 
 
@@ -290,6 +295,8 @@ def start_roles(cfg, model, store, data, sft, rm, seed, tokenizer, pgs, stop_ids
               for r in cfg.started_roles}
     ray.get([ref for g in groups.values() for ref in g.connect()])
     # refs, not keys: every worker's fetch checks that the store holds the content PPO was keyed on
+    parts = read_parts(data, sft, rm)
+    data, sft, rm = parts["data"], parts["sft"], parts["rm"]
     loads = [w.load.remote(model, store, sft, data, cfg, tokenizer.pad_token_id, stop_ids) for w in groups["actor"].workers]
     loads += [w.load.remote(model, store, sft, cfg) for w in (groups["initial"].workers if "initial" in groups else [])]
     loads += [w.load.remote(store, rm) for w in (groups["reward"].workers if "reward" in groups else [])]
