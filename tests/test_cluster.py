@@ -264,18 +264,20 @@ def test_a_worker_node_lost_mid_ppo_costs_one_checkpoint_interval(cluster_run, c
     assert proc.returncode == 0, out[-3000:] + err[-5000:]
     lines = err.splitlines()
     resumed = next(i for i, x in enumerate(lines) if "ppo resumed from" in x)
-    assert "at iteration 2" in lines[resumed], lines[resumed]
+    # the checkpoint waited for (iter-2) or a later one, if the kill landed after it was published
+    at = int(re.search(r"at iteration (\d+)", lines[resumed]).group(1))
+    assert at in (2, 4, 6), lines[resumed]
 
     def iterations(part):  # "rlhf.ppo ppo 3/8 reward ..." lines; Ray may forward one more than once: a set
         return {int(m.group(1)) for x in part if (m := re.search(r" rlhf\.ppo ppo (\d+)/\d+ ", x))}
 
     before, after = iterations(lines[:resumed]), iterations(lines[resumed:])
-    redone = max(before) + 1 - 2  # finished after the checkpoint, plus the one the kill interrupted
+    redone = max(before) + 1 - at  # finished after the checkpoint, plus the one the kill interrupted
     print(f"\nnode {victim} killed after {ckpt}; run finished {recovered_s:.0f} s later; iterations before the kill "
           f"{sorted(before)}, after the resume {sorted(after)}; redone {redone}")
     # at most one checkpoint interval (2) plus the iteration in flight: the kill may land while the
     # next checkpoint is being written, and then iterations 3-4 are redone from iter-2
-    assert before | after == set(range(1, 9)) and min(after) == 3 and redone <= 2 + 1
+    assert before | after == set(range(1, 9)) and min(after) == at + 1 and redone <= 2 + 1
     assert recovered_s < 300
     ppo = [k for k in store.list("ppo") if "-ckpt" not in k and store.manifest(k)["config"]["ppo"]["placement"] == "PACK"]
     # this process polled the bucket while the checkpoint uploaded: drop s3fs's listing cache

@@ -285,4 +285,6 @@ def test_each_stage_publishes_a_prefect_artifact(store_uri, prefect_api):
         async with get_client() as c:
             return await c.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["rlhf-ppo-progress"])))
 
-    assert {a.type for a in asyncio.run(progress())} == {"progress"} and all(a.data == 100.0 for a in asyncio.run(progress()))
+    # the session's server also holds the progress of runs other tests kill mid-PPO (they stay below 100)
+    got = asyncio.run(progress())
+    assert {a.type for a in got} == {"progress"} and all(0.0 <= a.data <= 100.0 for a in got) and max(a.data for a in got) == 100.0
