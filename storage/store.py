@@ -356,9 +356,17 @@ class ArtifactStore:
         inputs: Mapping[str, ArtifactRef] | None = None,
         metrics: Mapping[str, Any] | None = None,
         extra: Mapping[str, Any] | None = None,
+        keep_existing: bool = False,
     ) -> ArtifactRef:
-        """Upload every file under ``local_dir`` and then write the manifest: the one commit point."""
+        """Upload every file under ``local_dir`` and then write the manifest: the one commit point.
+
+        ``keep_existing``: when a whole artifact is already at the key (a run racing this one on
+        the same inputs published first), keep it and return its ref. The first build wins, so
+        what a racing run's consumers were keyed on is not replaced under them by bytes that may
+        differ (training is not bit-reproducible across processes)."""
         key = _check_key(key)
+        if keep_existing and self.is_good(key):
+            return self.ref(key)
         local_dir = Path(local_dir)
         if not local_dir.is_dir():
             raise FileNotFoundError(f"publish {key!r}: {local_dir} is not a directory")

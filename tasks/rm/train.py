@@ -50,7 +50,7 @@ def train_reward_model(cfg: RewardConfig, model: ModelConfig, store: ArtifactSto
         logger.info("rm: %s already published, reusing it", store.uri_of(key))
         return store.ref(key)
     targets = _check_inputs(cfg, model, store, data)
-    args = (cfg, model, store, data, seed, key, targets, tracking)
+    args = (cfg, model, store, data, seed, key, targets, tracking, force)
     if cfg.num_workers > 1:
         from tasks.common.dist import run_data_parallel
 
@@ -71,7 +71,7 @@ def _check_inputs(cfg: RewardConfig, model: ModelConfig, store: ArtifactStore, d
     return resolve_target_modules(cfg.target_modules, model_skeleton(model, body_only=True), field="rm.target_modules")
 
 
-def _fit(cfg, model_cfg, store, data, seed, key, targets, tracking) -> dict | None:
+def _fit(cfg, model_cfg, store, data, seed, key, targets, tracking, force=False) -> dict | None:
     """One rank's training run (the whole run with one process). Rank 0 returns the ref dict."""
     rank, world = loop.rank_world()
     device = pick_device(cfg.device)
@@ -122,7 +122,7 @@ def _fit(cfg, model_cfg, store, data, seed, key, targets, tracking) -> dict | No
             save_reward_model(model, tmp, data_dir / "tokenizer", extra={"pad_token_id": pad_id})
             tracker.write_into(tmp)
             ref = store.publish(key, tmp, kind=KIND, config=config, inputs={"data": data}, metrics=metrics,
-                                extra={"placement": placement_record(device)})
+                                extra={"placement": placement_record(device)}, keep_existing=not force)
         tracker.finish(ref.uri)
     logger.info("rm: published %s eval accuracy %.3f -> %.3f", ref.uri, start[0], metrics["rm/eval_accuracy"])
     return ref.model_dump()

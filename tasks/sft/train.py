@@ -69,7 +69,7 @@ def train_sft(cfg: SFTConfig, model: ModelConfig, store: ArtifactStore, data: Ar
         logger.info("sft: %s already published, reusing it", store.uri_of(key))
         return store.ref(key)
     targets = _check_inputs(cfg, model, store, data)
-    args = (cfg, model, store, data, seed, key, targets, stop_after, tracking)
+    args = (cfg, model, store, data, seed, key, targets, stop_after, tracking, force)
     if cfg.num_workers > 1:
         from tasks.common.dist import run_data_parallel
 
@@ -89,7 +89,7 @@ def _check_inputs(cfg: SFTConfig, model: ModelConfig, store: ArtifactStore, data
     return resolve_target_modules(cfg.target_modules, model_skeleton(model), builtin=model.is_builtin)
 
 
-def _fit(cfg, model_cfg, store, data, seed, key, targets, stop_after, tracking) -> dict | None:
+def _fit(cfg, model_cfg, store, data, seed, key, targets, stop_after, tracking, force=False) -> dict | None:
     """One rank's training run (the whole run with one process). Rank 0 returns the ref dict."""
     from peft import PeftModel, get_peft_model
 
@@ -150,7 +150,7 @@ def _fit(cfg, model_cfg, store, data, seed, key, targets, stop_after, tracking) 
                 return None
             tracker.write_into(tmp)
             ref = store.publish(key, tmp, kind=KIND, config=config, inputs={"data": data}, metrics=metrics,
-                                extra={"placement": placement_record(device)})
+                                extra={"placement": placement_record(device)}, keep_existing=not force)
         tracker.finish(ref.uri)
         store.delete(partial_key(key))
         logger.info("sft: published %s eval_loss %.4f -> %.4f", ref.uri, metrics["sft/eval_loss_start"], metrics["sft/eval_loss"])
