@@ -47,7 +47,7 @@ def main(root: str, csv: str) -> dict:
                       "mean_util_whole_run": sum(u for _, u, _ in rows) / len(rows), "max_memory_used_mib": max(m for _, _, m in rows)}
         st = out["stages"]
         if "ppo" in st and "sft" in st and "rm" in st:  # the PPO stage's span: from the later of SFT/RM to PPO's manifest
-            t = {k: datetime.strptime(st[k]["created_at"], "%Y-%m-%dT%H:%M:%SZ") for k in ("sft", "rm", "ppo")}
+            t = {k: datetime.fromisoformat(st[k]["created_at"]).replace(tzinfo=None) for k in ("sft", "rm", "ppo")}
             span = [u for ts, u, _ in rows if max(t["sft"], t["rm"]) <= ts <= t["ppo"]]
             if span:
                 out["gpu"]["ppo_stage_s"] = (t["ppo"] - max(t["sft"], t["rm"])).total_seconds()

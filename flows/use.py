@@ -149,5 +149,5 @@ def format_ls(rows: list[dict]) -> str:
         short = r["key"].rsplit("/", 1)[-1][:12]
         inputs = " ".join(f"{n}={k.rsplit('/', 1)[-1][:12]}" for n, k in r["inputs"].items()) or "-"
         metrics = " ".join(f"{k}={v:.4g}" for k, v in r["metrics"].items())
-        lines.append(f"{r['created_at']}  {r['stage']:4s} {short}  inputs: {inputs}  {metrics}".rstrip())
+        lines.append(f"{r['created_at'][:19]}Z  {r['stage']:4s} {short}  inputs: {inputs}  {metrics}".rstrip())
     return "\n".join(lines)

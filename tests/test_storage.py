@@ -112,7 +112,7 @@ def test_manifest_describes_the_artifact(store, src):
     assert m["inputs"] == {"data": data.content_hash} and m["input_uris"] == {"data": data.uri}
     assert m["metrics"] == {"sft/eval_loss": 1.25}
     assert {"torch", "fsspec", "transformers"} <= set(m["versions"])
-    created = datetime.strptime(m["created_at"], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
+    created = datetime.fromisoformat(m["created_at"])
     assert before <= created <= datetime.now(timezone.utc)
     assert {rel: f["size"] for rel, f in m["files"].items()} == {rel: len(b) for rel, b in FILES.items()}
     assert m["content_hash"] == content_hash(m["files"])
