@@ -37,19 +37,19 @@ def workload_args(description: str):
     return ap
 
 
-def llama_config(shape: str, max_len: int = 512):
+def llama_config(shape: str, max_len: int = 512, vocab: int = VOCAB):
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=VOCAB, max_position_embeddings=max_len, pad_token_id=0, bos_token_id=1,
+    return LlamaConfig(vocab_size=vocab, max_position_embeddings=max_len, pad_token_id=0, bos_token_id=1,
                        eos_token_id=2, tie_word_embeddings=False, attn_implementation="sdpa", **SHAPES[shape])
 
 
-def build_policy(shape: str, device: str, dtype=torch.float32, seed: int = 0):
+def build_policy(shape: str, device: str, dtype=torch.float32, seed: int = 0, vocab: int = VOCAB):
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
     with torch.device(device):
-        return LlamaForCausalLM(llama_config(shape)).to(dtype)
+        return LlamaForCausalLM(llama_config(shape, vocab=vocab)).to(dtype)
 
 
 def build_scalar_model(shape: str, device: str, dtype=torch.float32, seed: int = 1):
@@ -63,7 +63,7 @@ def build_scalar_model(shape: str, device: str, dtype=torch.float32, seed: int =
         return LlamaForSequenceClassification(cfg).to(dtype)
 
 
-def build_value_model(shape: str, device: str, dtype=torch.float32, seed: int = 1):
+def build_value_model(shape: str, device: str, dtype=torch.float32, seed: int = 1, vocab: int = VOCAB):
     """Critic / reward model as the PPO stage builds them: tasks.rm.model.RewardModel over the body."""
     from transformers import LlamaModel
 
@@ -71,7 +71,7 @@ def build_value_model(shape: str, device: str, dtype=torch.float32, seed: int = 
 
     torch.manual_seed(seed)
     with torch.device(device):
-        return RewardModel(LlamaModel(llama_config(shape))).to(dtype)
+        return RewardModel(LlamaModel(llama_config(shape, vocab=vocab))).to(dtype)
 
 
 def n_params(model) -> int:

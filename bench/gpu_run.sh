@@ -2,6 +2,7 @@
 # The GPU checks of the flow in one device call (issue 13): run from the project root on the GPU
 # machine with the packages of ../shared/device/pack-flow.sh in .devcarry/ (see bench/RESULTS.md).
 #   bash bench/gpu_run.sh tests default 1.5b 8b        # each step writes its logs to $OUT
+#   bash bench/gpu_run.sh rollout match               # issue 18: realistic rollouts; the stage beside the bench
 # default = the README's first command (`rlhf run`, embedded default, GPU by default); 1.5b / 8b =
 # bench/gpu_shapes.py's shapes through the flow; EXTRA="--set k=v ..." is added to their runs.
 set -uo pipefail
@@ -29,5 +30,11 @@ for step in "$@"; do
     1.5b|8b) [ -f /tmp/s-$step/rlhf.yaml ] || python3 bench/gpu_shapes.py --shape "$step" --out /tmp/s-$step > "$OUT/shape_$step.log" 2>&1
              flow "$step" --config /tmp/s-$step/rlhf.yaml ${EXTRA:-}
              python3 bench/gpu_summary.py /tmp/s-$step/artifacts "$OUT/gpu_$step.csv" > "$OUT/summary_$step.json"; cat "$OUT/summary_$step.json" ;;
+    rollout) timeout 240 python3 bench/rollout_realistic.py --out "$OUT/rollout_realistic.json" > "$OUT/rollout.log" 2>&1; tail -7 "$OUT/rollout.log" ;;
+    match)  # issue 18: the PPO stage and the in-process iteration on one workload (bench/ppo_stage_gpu.py's 0.3b run)
+            timeout 240 python3 bench/ppo_iteration.py --batch 64 --prompt-len 11 --new-tokens 64 --vocab 512 --lora-actor 32 \
+              --epochs 2 --minibatch 16 --skip-rollout-baselines --skip-eager-learn --out "$OUT/ppo_iteration_match.json" > "$OUT/match_iteration.log" 2>&1
+            tail -4 "$OUT/match_iteration.log"
+            timeout 330 python3 bench/ppo_stage_gpu.py --runs 0.3b --out "$OUT/ppo_stage_gpu.json" > "$OUT/match_stage.log" 2>&1; tail -8 "$OUT/match_stage.log" ;;
   esac
 done

@@ -165,7 +165,7 @@ def bench_learn(policy, critic, opt, exp, a, res, tag):
     ts = time_reps(lambda: learn_step(policy, critic, opt, exp, N), a.learn_reps)
     t = statistics.median(ts)
     tokens, L = exp["seqs"].numel(), exp["seqs"].shape[1]
-    flops = train_flops(cfg, tokens, L, B * (N + 1), VOCAB) + train_flops(cfg, tokens, L, B * L, 1)
+    flops = train_flops(cfg, tokens, L, B * (N + 1), cfg.vocab_size) + train_flops(cfg, tokens, L, B * L, 1)
     res[tag] = {"s": t, "s_all": ts, "first_step_s": first, "tokens": tokens, "flops": flops, "tflops": flops / t / 1e12,
                 "mfu_vs_datasheet": flops / t / 1e12 / H200_BF16_DENSE_TFLOPS,
                 "mfu_vs_measured_matmul": flops / t / 1e12 / res["matmul_bf16_tflops_measured"],
@@ -184,6 +184,10 @@ def main() -> None:
     ap.add_argument("--skip-eager-learn", action="store_true")
     ap.add_argument("--profile", action="store_true", help="also record the top GPU kernels of a decode step and a learn step")
     ap.add_argument("--profile-rows", type=int, default=12)
+    ap.add_argument("--vocab", type=int, default=VOCAB, help="vocabulary size of the random models (the PPO stage bench's built-in tokenizer: 512)")
+    ap.add_argument("--lora-actor", type=int, default=0, help="rank of a LoRA actor (bf16 base, fp32 adapter on every linear layer, as the PPO stage's actor); 0: a full fp32-master policy")
+    ap.add_argument("--epochs", type=int, default=1, help="PPO epochs over each rollout in the iteration")
+    ap.add_argument("--minibatch", type=int, default=None, help="rows per optimizer step in the iteration (default: the whole batch)")
     a = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
     B, P, N = a.batch, a.prompt_len, a.new_tokens
@@ -191,13 +195,19 @@ def main() -> None:
     res = {"machine": machine(), "shape": a.shape, "batch": B, "prompt_len": P, "new_tokens": N,
            "matmul_bf16_tflops_measured": matmul_tflops() if DEV == "cuda" else float("nan"),
            "copy_gbps_measured": a.copy_gbps, "peak_tflops_datasheet": H200_BF16_DENSE_TFLOPS}
-    policy = build_policy(a.shape, DEV)
+    res.update(vocab=a.vocab, lora_actor=a.lora_actor, epochs=a.epochs, minibatch=a.minibatch or B)
+    policy = build_policy(a.shape, DEV, vocab=a.vocab)
     ref = copy.deepcopy(policy).to(torch.bfloat16).eval()
-    critic = build_value_model(a.shape, DEV, seed=1)
-    rm = build_value_model(a.shape, DEV, torch.bfloat16, seed=2).eval()
     res["params"] = n_params(policy)
+    if a.lora_actor:
+        from peft import LoraConfig, get_peft_model
+
+        policy = get_peft_model(copy.deepcopy(ref), LoraConfig(r=a.lora_actor, lora_alpha=32, target_modules="all-linear"),
+                                autocast_adapter_dtype=True)  # fp32 adapter on the bf16 base
+    critic = build_value_model(a.shape, DEV, seed=1, vocab=a.vocab)
+    rm = build_value_model(a.shape, DEV, torch.bfloat16, seed=2, vocab=a.vocab).eval()
     g = torch.Generator(device=DEV).manual_seed(0)
-    prompts = torch.randint(4, VOCAB, (B, P), device=DEV, generator=g)
+    prompts = torch.randint(4, a.vocab, (B, P), device=DEV, generator=g)
     attn = torch.ones_like(prompts)
 
     rr = res.setdefault("rollout", {})
@@ -207,7 +217,8 @@ def main() -> None:
         torch.cuda.empty_cache()
 
     # ---- learn phase: eager, then compiled blocks (ppo.compile), same models and optimizer
-    opt = torch.optim.AdamW(list(policy.parameters()) + list(critic.parameters()), lr=1e-6, fused=DEV == "cuda")
+    trainable = [p for p in list(policy.parameters()) + list(critic.parameters()) if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=1e-6, fused=DEV == "cuda")
     fg = FastGenerator(policy, max_batch=B, max_len=P + N, dtype=torch.bfloat16)
     kw = dict(max_new_tokens=N, eos_token_id=-1, pad_token_id=PAD, temperature=1.0, top_k=0, top_p=1.0)  # as TRL's run: no EOS
     exp = make_experience(policy, ref, critic, rm, fg.generate(prompts, attn, **kw), N)
@@ -221,6 +232,7 @@ def main() -> None:
     # ---- full iteration: samples/s and split
     from torch._dynamo.utils import counters
 
+    mb = a.minibatch or B
     reset_peak()
     splits, parts, graphs_before = [], [], counters["stats"]["unique_graphs"]
     for _ in range(a.iters):
@@ -230,7 +242,9 @@ def main() -> None:
         with timed(s, "experience"):
             exp = make_experience(policy, ref, critic, rm, rollout, N, e)
         with timed(s, "learn"):
-            learn_step(policy, critic, opt, exp, N)
+            for _ in range(a.epochs):
+                for i in range(0, B, mb):
+                    learn_step(policy, critic, opt, {k: v[i:i + mb] for k, v in exp.items()}, N)
         s["total"] = sum(s.values())
         splits.append(s)
         parts.append(e)

@@ -1,0 +1,110 @@
+"""Rollouts as PPO really makes them, beside the fixed-length case the other benches time.
+
+    python bench/rollout_realistic.py --shape 0.4b --batch 64 --prompt-len 128 --new-tokens 128 --out r.json
+
+Cases, each on the same bf16 random-weight Llama, FastGenerator (CUDA graph decode) and HF
+``generate`` side by side:
+
+- ``fixed``: every row makes ``new_tokens`` tokens (no stop token can be hit), full-length prompts.
+- ``eos``: ``--stop-ids`` token ids stop a row (a random model picks one with probability
+  ~stop_ids / vocab a step, so rows end at many lengths; 400 of 32000 ends ~86% of 128-token rows);
+  the rollout stops when every row has stopped.
+- ``mixed_prompts``: prompts of uniformly random lengths in [prompt_len / 4, prompt_len], left-padded.
+- ``top_p_top_k``: ``eos`` with top-k 50 and top-p 0.9 sampling.
+- ``realistic``: all of the above at once.
+
+Reported: wall seconds, useful new tokens/s (tokens before and including the stop token, the
+tokens a learner sees), all-columns tokens/s (batch x steps run), and mean response length.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.common import VOCAB, build_policy, machine, sync, workload_args, write_json  # noqa: E402
+from tasks.ppo.fast_generate import FastGenerator  # noqa: E402
+
+PAD = 0
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: a smoke run of the script only
+
+
+def prompts_for(B: int, P: int, mixed: bool, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(4, VOCAB, (B, P), device=DEV, generator=g)
+    attn = torch.ones_like(ids)
+    if mixed:
+        lengths = torch.randint(max(1, P // 4), P + 1, (B,), device=DEV, generator=g)
+        attn = (torch.arange(P, device=DEV)[None, :] >= P - lengths[:, None]).long()  # left padding
+        ids = ids.masked_fill(attn == 0, PAD)
+    return ids, attn
+
+
+def run_case(fg, model, ids, attn, N, stops, top_k, top_p, reps) -> dict:
+    kw = dict(max_new_tokens=N, eos_token_id=stops, pad_token_id=PAD, temperature=1.0, top_k=top_k, top_p=top_p)
+    out = {}
+    for name in ("fast", "hf_generate"):
+        def once(name=name):
+            if name == "fast":
+                r = fg.generate(ids, attn, **kw)
+                return r.action_mask, r.sequences.shape[1] - ids.shape[1]
+            never = stops == [-1]  # no stop token: HF makes all N tokens (min_new_tokens) as the fast path does
+            seqs = model.generate(input_ids=ids, attention_mask=attn, do_sample=True, max_new_tokens=N, top_k=top_k or None,
+                                  top_p=top_p, temperature=1.0, pad_token_id=PAD, eos_token_id=None if never else stops,
+                                  min_new_tokens=N if never else 0)
+            resp = seqs[:, ids.shape[1]:]
+            # HF pads after the stop token; the stop token itself is part of the response
+            ended = torch.isin(resp, torch.tensor(stops, device=DEV))
+            after = (ended.long().cumsum(-1) - ended.long()) > 0
+            return (~after).float(), resp.shape[1]
+        once()  # warm-up: graph capture, cuBLAS
+        ts, useful, steps = [], [], []
+        for _ in range(reps):
+            sync()
+            t0 = time.perf_counter()
+            mask, n = once()
+            sync()
+            ts.append(time.perf_counter() - t0)
+            useful.append(float(mask.sum()))
+            steps.append(n)
+        s = statistics.median(ts)
+        out[name] = {"s": s, "s_all": ts, "useful_new_tokens_per_s": statistics.median(useful) / s,
+                     "all_columns_tokens_per_s": ids.shape[0] * statistics.median(steps) / s,
+                     "mean_response_len": statistics.median(useful) / ids.shape[0], "steps_run": statistics.median(steps)}
+    out["fast_vs_hf_useful_tokens"] = out["fast"]["useful_new_tokens_per_s"] / out["hf_generate"]["useful_new_tokens_per_s"]
+    return out
+
+
+def main() -> None:
+    ap = workload_args(__doc__.splitlines()[0])
+    ap.add_argument("--stop-ids", type=int, default=400, help="how many token ids stop a row in the eos cases")
+    ap.add_argument("--reps", type=int, default=3)
+    a = ap.parse_args()
+    B, P, N = a.batch, a.prompt_len, a.new_tokens
+    model = build_policy(a.shape, DEV, torch.bfloat16).eval()
+    fg = FastGenerator(model, max_batch=B, max_len=P + N, dtype=torch.bfloat16)
+    g = torch.Generator(device=DEV).manual_seed(0)
+    stops = torch.randperm(VOCAB - 4, generator=torch.Generator().manual_seed(1))[: a.stop_ids].add(4).tolist()
+    cases = {"fixed": (False, [-1], 0, 1.0), "eos": (False, stops, 0, 1.0), "mixed_prompts": (True, [-1], 0, 1.0),
+             "top_p_top_k": (False, stops, 50, 0.9), "realistic": (True, stops, 50, 0.9)}
+    res = {"machine": machine(), "shape": a.shape, "batch": B, "prompt_len": P, "new_tokens": N, "stop_ids": a.stop_ids,
+           "cases": {}}
+    for name, (mixed, st, k, p) in cases.items():
+        ids, attn = prompts_for(B, P, mixed, g)
+        res["cases"][name] = run_case(fg, model, ids, attn, N, st, k, p, a.reps)
+        c = res["cases"][name]
+        print(f"{name:14s} fast {c['fast']['useful_new_tokens_per_s']:9.0f} useful tok/s ({c['fast']['s']:.3f} s, "
+              f"len {c['fast']['mean_response_len']:.1f}, {c['fast']['steps_run']} steps)  hf {c['hf_generate']['useful_new_tokens_per_s']:8.0f}"
+              f"  x{c['fast_vs_hf_useful_tokens']:.1f}", flush=True)
+    fixed = res["cases"]["fixed"]["fast"]["useful_new_tokens_per_s"]
+    res["useful_tokens_per_s_vs_fixed"] = {k: v["fast"]["useful_new_tokens_per_s"] / fixed for k, v in res["cases"].items()}
+    if a.out:
+        write_json(a.out, res)
+
+
+if __name__ == "__main__":
+    main()
