@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from tasks.ppo.losses import entropy_from_logits, logprobs_from_logits
+from tasks.ppo.padding import Span, attended_span, cut, pad_actions
 
 
 class Rollout(NamedTuple):
@@ -162,14 +163,18 @@ def generate(
     )
 
 
-def _action_logits(model, sequences: Tensor, attention_mask: Tensor, num_actions: int, temperature: float) -> Tensor:
-    """Logits that predicted the last ``num_actions`` tokens, fp32, divided by temperature: (B, N, V)."""
-    # position t's logits predict token t+1: the N actions are predicted by positions -N-1 .. -2,
-    # so only those N+1 positions go through the LM head (``logits_to_keep``; the prompt's do not)
-    kw = {"logits_to_keep": num_actions + 1} if "logits_to_keep" in inspect.signature(_unwrap(model).forward).parameters else {}
+def _action_logits(model, sequences: Tensor, attention_mask: Tensor, num_actions: int, temperature: float) -> tuple[Tensor, Tensor, Span]:
+    """Logits that predicted the kept actions, fp32, divided by temperature: ((B, n, V), the
+    actions (B, n), the span). The forward runs on the attended columns only (tasks/ppo/padding.py):
+    n <= N when every row stopped early; ``pad_actions`` restores N columns."""
+    span = attended_span(attention_mask, num_actions)
+    sequences, attention_mask, n = cut(sequences, span), cut(attention_mask, span), span.actions
+    # position t's logits predict token t+1: the n actions are predicted by positions -n-1 .. -2,
+    # so only those n+1 positions go through the LM head (``logits_to_keep``; the prompt's do not)
+    kw = {"logits_to_keep": n + 1} if "logits_to_keep" in inspect.signature(_unwrap(model).forward).parameters else {}
     out = model(input_ids=sequences, attention_mask=attention_mask,
                 position_ids=position_ids_from_mask(attention_mask), use_cache=False, **kw)
-    return out.logits[:, -num_actions - 1 : -1, :].float() / temperature
+    return out.logits[:, -n - 1 : -1, :].float() / temperature, sequences[:, -n:], span
 
 
 def action_logprobs(model, sequences: Tensor, attention_mask: Tensor, num_actions: int, temperature: float = 1.0) -> Tensor:
@@ -181,11 +186,11 @@ def action_logprobs(model, sequences: Tensor, attention_mask: Tensor, num_action
     The model's mode is left alone: PPO ratios need deterministic forwards, so turn dropout off
     (``eval()`` or dropout 0 in the config; a fresh ``get_peft_model`` is in train mode).
     """
-    logits = _action_logits(model, sequences, attention_mask, num_actions, temperature)
-    return logprobs_from_logits(logits, sequences[:, -num_actions:])
+    logits, actions, span = _action_logits(model, sequences, attention_mask, num_actions, temperature)
+    return pad_actions(logprobs_from_logits(logits, actions), span)
 
 
 def forward_actions(model, sequences: Tensor, attention_mask: Tensor, num_actions: int, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
     """``action_logprobs`` plus the entropy of each action's distribution: ((B, N), (B, N))."""
-    logits = _action_logits(model, sequences, attention_mask, num_actions, temperature)
-    return logprobs_from_logits(logits, sequences[:, -num_actions:]), entropy_from_logits(logits)
+    logits, actions, span = _action_logits(model, sequences, attention_mask, num_actions, temperature)
+    return pad_actions(logprobs_from_logits(logits, actions), span), pad_actions(entropy_from_logits(logits), span)

@@ -40,6 +40,7 @@ from tasks.common.model import checkpoint_blocks
 from tasks.ppo.config import PPOConfig
 from tasks.ppo.fast_generate import fast_generate_applies
 from tasks.ppo.group import DistributedWorker, agree_finished, compile_blocks, full_state, load_full_state, wants_compile, wrap_learner
+from tasks.ppo.padding import attended_span, cut, pad_actions
 
 
 class Experience(NamedTuple):
@@ -310,8 +311,9 @@ class RewardWorker(DistributedWorker):
         # the reward model reads the last token of the attention mask — the first stop token, or
         # the last one of a truncated response — and takes positions from the mask, so left-padded
         # rollouts score as the right-padded pairs it was trained on (pad == eos changes nothing)
+        span = attended_span(rollout.attention_mask, rollout.action_mask.shape[1])  # no forward on all-pad columns
         with autocast(self.device):
-            return self.model(rollout.sequences.to(self.device), rollout.attention_mask.to(self.device)).float().cpu()
+            return self.model(cut(rollout.sequences, span).to(self.device), cut(rollout.attention_mask, span).to(self.device)).float().cpu()
 
 
 class _Values(torch.nn.Module):
@@ -322,8 +324,11 @@ class _Values(torch.nn.Module):
         self.rm = rm
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor, num_actions: int) -> Tensor:
-        # values[t] estimates the return after token t; the state before action a_t is t-1
-        return self.rm.values(input_ids, attention_mask)[:, -num_actions - 1:-1].float()
+        # values[t] estimates the return after token t; the state before action a_t is t-1.
+        # Only the attended columns go through the body (tasks/ppo/padding.py).
+        span = attended_span(attention_mask, num_actions)
+        values = self.rm.values(cut(input_ids, span), cut(attention_mask, span))
+        return pad_actions(values[:, -span.actions - 1:-1].float(), span)
 
 
 class CriticWorker(_LearnerMixin, DistributedWorker):
@@ -367,8 +372,10 @@ class CriticWorker(_LearnerMixin, DistributedWorker):
         """The frozen reward model's score (``ppo.reward_model`` 'shared'): this worker's body with
         the LoRA adapter disabled, which is the reward model's body, and its head as loaded."""
         rm = self.infer_model.rm
+        span = attended_span(rollout.attention_mask, rollout.action_mask.shape[1])
         with rm.body.disable_adapter(), autocast(self.device):
-            return rm(rollout.sequences.to(self.device), rollout.attention_mask.to(self.device), head=self.reward_head).float().cpu()
+            return rm(cut(rollout.sequences, span).to(self.device), cut(rollout.attention_mask, span).to(self.device),
+                      head=self.reward_head).float().cpu()
 
     def _generators(self):
         return (self.learn_gen,)
