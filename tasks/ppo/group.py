@@ -326,7 +326,7 @@ def wrap_learner(model, lr: float, strategy: str, device: str, max_norm: float =
 # pins torch<=2.5.1, transformers==4.51.3, peft<=0.13.2, which this environment does not meet).
 # Found by importing exactly those modules into a venv of the project's pins plus colossalai
 # alone (issue 19): colossalai.nn.optimizer imports galore_torch at module level, which imports
-# bitsandbytes; colossalai imports einops. contexttimer is declared by colossalai (its legacy
+# bitsandbytes; colossalai.booster imports einops. contexttimer is declared by colossalai (its legacy
 # code). scripts/setup.sh --colossalai installs exactly these.
 COLOSSALAI_DISTRIBUTIONS = {"colossalai": "colossalai==0.5.0", "galore_torch": "galore-torch==1.0",
                             "bitsandbytes": "bitsandbytes==0.50.2", "einops": "einops==0.8.2",
