@@ -8,7 +8,7 @@
 # and contexttimer (sdists only on the index: built into pure-python wheels here), galore-torch,
 # bitsandbytes with only the native libraries for CUDA_TAG (default 130: the GPU image's torch is
 # 2.11.0+cu130) and the CPU one: its wheel holds one per CUDA version (129 MB unpacked). einops
-# is already in the GPU image, so it is left out (EINOPS=1 packs it). All --no-deps: torch,
+# and ninja are already in the GPU image, so they are left out (EINOPS=1 packs them). All --no-deps: torch,
 # transformers, peft, numpy there are the image's own. Python 3.12 / Linux x86-64 (the GPU
 # machine's, see ../shared/device/pack-flow.sh).
 set -euo pipefail
@@ -19,7 +19,7 @@ cuda=${CUDA_TAG:-130}
 work=$(mktemp -d); trap 'rm -rf "$work"' EXIT
 reqs=$(PYTHONPATH=$PWD "$PY" -c "
 from tasks.ppo.group import COLOSSALAI_DISTRIBUTIONS as d
-print(' '.join(v for k, v in d.items() if k != 'einops' or '${EINOPS:-0}' == '1'))")
+print(' '.join(v for k, v in d.items() if k not in ('einops', 'ninja') or '${EINOPS:-0}' == '1'))")
 echo "pack-colossalai: $reqs (bitsandbytes: cuda$cuda + cpu libraries only)"
 pure=() binary=()
 for r in $reqs; do case $r in colossalai==*|contexttimer==*) pure+=("$r") ;; *) binary+=("$r") ;; esac; done

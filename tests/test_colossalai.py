@@ -45,6 +45,13 @@ def test_the_check_imports_what_the_workers_import():
     assert set(COLOSSALAI_DISTRIBUTIONS) >= {"colossalai", "galore_torch", "bitsandbytes"}
 
 
+def test_the_extra_is_the_closure_less_colossalai():
+    import tomllib
+
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["colossalai"]
+    assert sorted(extra) == sorted(v for k, v in COLOSSALAI_DISTRIBUTIONS.items() if k != "colossalai")
+
+
 def test_a_missing_dependency_of_a_present_module_is_named(bare_python):
     """A present module whose import chain reaches an absent one: the absent one is named, not
     the module asked for; what came before it passed."""

@@ -326,11 +326,13 @@ def wrap_learner(model, lr: float, strategy: str, device: str, max_norm: float =
 # pins torch<=2.5.1, transformers==4.51.3, peft<=0.13.2, which this environment does not meet).
 # Found by importing exactly those modules into a venv of the project's pins plus colossalai
 # alone (issue 19): colossalai.nn.optimizer imports galore_torch at module level, which imports
-# bitsandbytes; colossalai.booster imports einops. contexttimer is declared by colossalai (its legacy
-# code). scripts/setup.sh --colossalai installs exactly these.
+# bitsandbytes; colossalai.booster imports einops. Not imports, but needed all the same:
+# contexttimer (declared by colossalai, its legacy code) and ninja (HybridAdam JIT-builds its
+# CUDA kernels with torch.utils.cpp_extension at first use). scripts/setup.sh --colossalai
+# installs exactly these.
 COLOSSALAI_DISTRIBUTIONS = {"colossalai": "colossalai==0.5.0", "galore_torch": "galore-torch==1.0",
                             "bitsandbytes": "bitsandbytes==0.50.2", "einops": "einops==0.8.2",
-                            "contexttimer": "contexttimer==0.3.3"}
+                            "contexttimer": "contexttimer==0.3.3", "ninja": "ninja==1.13.2"}
 COLOSSALAI_INSTALL = "scripts/setup.sh --colossalai"
 
 
