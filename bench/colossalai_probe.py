@@ -57,7 +57,9 @@ def probe_strategy(strategy: str, device: str) -> dict:
     from tasks.ppo.group import full_state, wrap_learner
 
     r: dict = {}
-    model = step(r, "build", lambda: small_lora_llama(device)) if device else None
+    model = step(r, "build", lambda: small_lora_llama(device))
+    if model is None:
+        return r
     lora0 = {n: p.detach().float().cpu().clone() for n, p in model.named_parameters() if p.requires_grad}
     got = step(r, "wrap_learner", lambda: wrap_learner(model, 1e-3, strategy, device, 1.0))
     if got is None:
