@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up (or refresh) the project's virtual environment in .venv. Idempotent.
 #   scripts/setup.sh               # CPU torch where there is no NVIDIA GPU, CUDA torch where there is
-#   scripts/setup.sh --colossalai  # also the optional ColossalAI strategies (CUDA machines)
+#   scripts/setup.sh --colossalai  # also the optional ColossalAI strategies (CUDA machines; see README)
 # TORCH_SPEC overrides the torch requirement; TORCH_INDEX_URL points pip at a torch index
 # (e.g. https://download.pytorch.org/whl/cpu on a laptop, to skip the multi-GB CUDA build).
 set -euo pipefail
@@ -23,7 +23,17 @@ fi
 echo "setup: installing the project and its test tools"
 pip install -e ".[test]"
 if [ "${1:-}" = "--colossalai" ]; then
-  pip install einops contexttimer
-  pip install --no-deps colossalai==0.5.0
+  # ColossalAI 0.5.0 pins torch<=2.5.1, transformers==4.51.3, peft<=0.13.2: its import closure
+  # (tasks/ppo/group.py COLOSSALAI_DISTRIBUTIONS, every dependency of which is already here) goes
+  # in with --no-deps, so this environment's pins stay; then the exact imports the strategy runs.
+  reqs=$(.venv/bin/python -c "from tasks.ppo.group import COLOSSALAI_DISTRIBUTIONS as d; print(' '.join(d.values()))")
+  echo "setup: installing (--no-deps) $reqs"
+  pip install --no-deps $reqs
+  .venv/bin/python -c "
+import sys
+from tasks.ppo.group import colossalai_imports, colossalai_problem, import_failure
+if f := import_failure(colossalai_imports()):
+    sys.exit('setup: ' + colossalai_problem('colossalai_zero2', f))
+print('setup: ColossalAI imports ok:', ', '.join(f'{m}.{n}' if n else m for m, n in colossalai_imports()))"
 fi
 .venv/bin/python -c "import torch, ray, prefect, peft, transformers; print('setup: ok  torch', torch.__version__, '| ray', ray.__version__, '| prefect', prefect.__version__, '| transformers', transformers.__version__, '| peft', peft.__version__)"

@@ -125,7 +125,8 @@ def test_prompt_sampler_position_is_its_state():
 
 
 @pytest.mark.parametrize("override, message", [
-    ({"strategy": "colossalai_zero2"}, r"ppo.strategy 'colossalai_zero2' needs ColossalAI: pip install --no-deps colossalai==0.5.0"),
+    ({"strategy": "colossalai_zero2"}, r"ppo.strategy 'colossalai_zero2' needs ColossalAI: `import colossalai` fails here .*"
+     r"the missing piece is 'colossalai' .*`scripts/setup.sh --colossalai` \(= pip install --no-deps colossalai==0.5.0"),
     ({"actor": {"gpus_per_worker": 1.0}}, r"ppo roles ask for 1 GPUs .* the Ray cluster has 0"),
     ({"colocate": True, **{r: {"gpus_per_worker": 0.25} for r in ("actor", "critic", "initial", "reward")}},
      r"ppo roles ask for 1 GPUs"),

@@ -12,7 +12,12 @@ ranks generating the same number of steps.
 
 from __future__ import annotations
 
+import ast
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 from tasks.common.dist import free_port, init_distributed, node_ip, placement_bundles
@@ -270,13 +275,19 @@ def wants_compile(mode: str, device: str, model=None) -> bool:
     return device == "cuda" and (model is None or sum(p.numel() for p in model.parameters()) >= COMPILE_AUTO_MIN_PARAMS)
 
 
-def wrap_learner(model, lr: float, strategy: str, device: str):
+def wrap_learner(model, lr: float, strategy: str, device: str, max_norm: float = 1.0):
     """(model to train, optimizer, model to run inference on) for one learner rank.
 
     ddp: DistributedDataParallel; inference (generation) runs on the unwrapped module, with no
     collectives. fsdp: FSDP2 ``fully_shard`` per block and at the root; every forward gathers
     parameters, so all ranks must run the same number of forwards (see ``agree_finished``).
-    colossalai_*: Booster with LowLevelZeroPlugin(stage 2) or GeminiPlugin, HybridAdam (seed).
+    colossalai_*: Booster with LowLevelZeroPlugin (stage 2, optimizer state offloaded to CPU) or
+    GeminiPlugin (parameters and optimizer state offloaded), HybridAdam, bf16 (seed). The ZeRO
+    optimizers own the gradients: the step must call ``optimizer.backward(loss)`` and clipping is
+    the plugin's ``max_norm`` (torch's ``clip_grad_norm_`` does not see sharded gradients).
+    ZeRO-2 keeps every parameter whole on every rank, so inference runs on the unwrapped PEFT
+    model; Gemini keeps parameters in chunks that only its own forward gathers, so inference runs
+    on the wrapped model (every rank the same forwards, like fsdp).
     """
     import torch
 
@@ -292,16 +303,111 @@ def wrap_learner(model, lr: float, strategy: str, device: str):
             fully_shard(unit)
         fully_shard(model)
         return model, torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=lr), model
+    # every ColossalAI import of this project is in this module: colossalai_imports() reads them
+    # from here for the preflight check, so a new one is checked the day it is written
     from colossalai.booster import Booster
     from colossalai.booster.plugin import GeminiPlugin, LowLevelZeroPlugin
     from colossalai.nn.optimizer import HybridAdam
 
-    plugin = LowLevelZeroPlugin(stage=2, placement_policy="cpu") if strategy == "colossalai_zero2" else \
-        GeminiPlugin(initial_scale=2**5, offload_optim_frac=1.0, offload_param_frac=1.0)
+    plugin = LowLevelZeroPlugin(stage=2, precision="bf16", max_norm=max_norm, cpu_offload=True) \
+        if strategy == "colossalai_zero2" else \
+        GeminiPlugin(precision="bf16", max_norm=max_norm, offload_optim_frac=1.0, offload_param_frac=1.0)
     booster = Booster(plugin=plugin)
-    optim = HybridAdam([p for p in model.parameters() if p.requires_grad], lr=lr, clipping_norm=1.0)
+    optim = HybridAdam([p for p in model.parameters() if p.requires_grad], lr=lr)
     wrapped, optim, *_ = booster.boost(model, optim)
-    return wrapped, optim, wrapped.unwrap()
+    # unwrap_peft=False: the PeftModel itself (its adapters are switched for the KL reference)
+    return wrapped, optim, wrapped.unwrap(unwrap_peft=False) if strategy == "colossalai_zero2" else wrapped
+
+
+# ----------------------------------------------------------------------------- ColossalAI's install
+
+# The pip distribution of every top-level module that the ColossalAI imports of this module load
+# beyond the project's own dependencies, pinned, for `pip install --no-deps` (colossalai 0.5.0
+# pins torch<=2.5.1, transformers==4.51.3, peft<=0.13.2, which this environment does not meet).
+# Found by importing exactly those modules into a venv of the project's pins plus colossalai
+# alone (issue 19): colossalai.nn.optimizer imports galore_torch at module level, which imports
+# bitsandbytes; colossalai.booster imports einops. Not imports, but needed all the same:
+# contexttimer (declared by colossalai, its legacy code) and ninja (HybridAdam JIT-builds its
+# CUDA kernels with torch.utils.cpp_extension at first use). scripts/setup.sh --colossalai
+# installs exactly these.
+COLOSSALAI_DISTRIBUTIONS = {"colossalai": "colossalai==0.5.0", "galore_torch": "galore-torch==1.0",
+                            "bitsandbytes": "bitsandbytes==0.50.2", "einops": "einops==0.8.2",
+                            "contexttimer": "contexttimer==0.3.3", "ninja": "ninja==1.13.2"}
+COLOSSALAI_INSTALL = "scripts/setup.sh --colossalai"
+
+
+def colossalai_imports(path: Path = Path(__file__)) -> list[tuple[str, str | None]]:
+    """(module, name) for every ColossalAI import in ``path`` (this module), in source order:
+    ``from colossalai.booster import Booster`` gives ('colossalai.booster', 'Booster'),
+    ``colossalai.launch_from_torch`` after ``import colossalai`` ('colossalai', 'launch_from_torch')."""
+    found: list[tuple[int, int, tuple[str, str | None]]] = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "colossalai":
+            found += [(node.lineno, node.col_offset, (node.module, a.name)) for a in node.names]
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, node.col_offset, (a.name, None)) for a in node.names if a.name.split(".")[0] == "colossalai"]
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "colossalai":
+            found.append((node.lineno, node.col_offset, ("colossalai", node.attr)))
+    return list(dict.fromkeys(item for *_, item in sorted(found)))
+
+
+# Runs in a fresh interpreter: a failing import leaves nothing half-imported in the caller, and a
+# library that crashes the process on import (a native extension) cannot take the driver down.
+_PROBE = """
+import importlib, json, sys
+for module, name in json.loads(sys.argv[1]):
+    try:
+        obj = importlib.import_module(module)
+        if name is not None:
+            getattr(obj, name)
+    except Exception as e:
+        missing = e.name if isinstance(e, ModuleNotFoundError) else None
+        print("RLHF-PROBE " + json.dumps({"module": module, "name": name, "type": type(e).__name__,
+                                          "error": (str(e).splitlines() or [""])[0], "missing": missing}))
+        break
+else:
+    print("RLHF-PROBE null")
+"""
+_IMPORTS_OK: set[tuple] = set()
+
+
+def import_failure(imports: list[tuple[str, str | None]], python: str = sys.executable,
+                   env: dict[str, str] | None = None, timeout_s: float = 300) -> dict | None:
+    """The first of ``imports`` ((module, name) pairs, in order) that fails in a fresh ``python``,
+    as {module, name, type, error, missing: the top-level module a ModuleNotFoundError names, or
+    None}; None when all import. ``env``: the interpreter's environment (default: this one)."""
+    memo = (python, json.dumps(imports), json.dumps(env, sort_keys=True))
+    if memo in _IMPORTS_OK:
+        return None
+    out = subprocess.run([python, "-c", _PROBE, json.dumps(imports)], capture_output=True, text=True,
+                         env=env, timeout=timeout_s)
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RLHF-PROBE ")]
+    if not lines:  # the interpreter died (a crash in a native extension): report its own words
+        tail = (out.stderr.strip().splitlines() or [f"exit status {out.returncode}"])[-1]
+        return {"module": imports[0][0] if imports else "", "name": None, "type": "crash", "error": tail, "missing": None}
+    failure = json.loads(lines[-1][len("RLHF-PROBE "):])
+    if failure is None:
+        _IMPORTS_OK.add(memo)
+    elif failure["missing"]:
+        failure["missing"] = failure["missing"].split(".")[0]
+    return failure
+
+
+def colossalai_problem(strategy: str, failure: dict) -> str:
+    """The error for ``failure`` (``import_failure`` of ``colossalai_imports()``): what failed,
+    the missing piece's pip distribution, and the install command."""
+    what = f"from {failure['module']} import {failure['name']}" if failure["name"] else f"import {failure['module']}"
+    every = " ".join(COLOSSALAI_DISTRIBUTIONS.values())
+    missing = failure["missing"]
+    if missing in COLOSSALAI_DISTRIBUTIONS:
+        piece = f"; the missing piece is {missing!r} (pip distribution {COLOSSALAI_DISTRIBUTIONS[missing]})"
+    elif missing:
+        piece = f"; the missing piece is {missing!r}, not one this project knew ColossalAI to need (pip install it)"
+    else:
+        piece = ""
+    return (f"ppo.strategy {strategy!r} needs ColossalAI: `{what}` fails here ({failure['type']}: {failure['error']}){piece}. "
+            f"Install the whole closure with `{COLOSSALAI_INSTALL}` (= pip install --no-deps {every}; CUDA only); "
+            "or use ppo.strategy 'ddp' / 'fsdp'")
 
 
 def agree_finished(strategy: str, device: str):

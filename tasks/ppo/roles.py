@@ -109,8 +109,11 @@ class _LearnerMixin:
     """Shared by the two learners: optimizer step and state for checkpoints."""
 
     def _step(self, loss: Tensor) -> None:
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.params, self.ppo.max_grad_norm)
+        if self.strategy.startswith("colossalai"):
+            self.optim.backward(loss)  # ZeRO's backward reduces the gradients; the plugin clips (wrap_learner)
+        else:
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.params, self.ppo.max_grad_norm)
         self.optim.step()
         self.optim.zero_grad(set_to_none=True)
 
@@ -159,7 +162,7 @@ class PolicyWorker(_LearnerMixin, DistributedWorker):
         checkpoint_blocks(peft, ppo.gradient_checkpointing, self.device)
         if wants_compile(ppo.compile, self.device, peft):
             compile_blocks(peft)
-        self.model, self.optim, self.infer_model = wrap_learner(peft, ppo.actor_lr, self.strategy, self.device)
+        self.model, self.optim, self.infer_model = wrap_learner(peft, ppo.actor_lr, self.strategy, self.device, ppo.max_grad_norm)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.all_finished = agree_finished(self.strategy, self.device)
         # sampling draws on the device the logits are on (torch.multinomial needs a generator there)
@@ -363,7 +366,7 @@ class CriticWorker(_LearnerMixin, DistributedWorker):
         checkpoint_blocks(rm, ppo.gradient_checkpointing, self.device)
         if wants_compile(ppo.compile, self.device, rm):
             compile_blocks(rm)
-        self.model, self.optim, self.infer_model = wrap_learner(_Values(rm), ppo.critic_lr, self.strategy, self.device)
+        self.model, self.optim, self.infer_model = wrap_learner(_Values(rm), ppo.critic_lr, self.strategy, self.device, ppo.max_grad_norm)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.learn_gen = torch.Generator().manual_seed(self.seed * 7919 + 202 + self.rank)
 

@@ -26,7 +26,8 @@ from tasks.data.dataset import read_jsonl
 from tasks.ppo.checkpoint import latest_checkpoint, load_checkpoint, publish_final, save_checkpoint
 from tasks.ppo.config import LEARNERS, PPOConfig, check_gpu_fit, resolve_placement
 from tasks.ppo.fast_generate import check_fast_generate
-from tasks.ppo.group import RoleGroup, check_cluster, create_placement_groups, role_bundles, role_device
+from tasks.ppo.group import (RoleGroup, check_cluster, colossalai_imports, colossalai_problem, create_placement_groups,
+                             import_failure, role_bundles, role_device)
 
 log = logging.getLogger("rlhf.ppo")
 EVAL_SEED = 20240601
@@ -54,18 +55,15 @@ def _seed(cfg: PPOConfig, seed: int) -> int:
 def check_ppo(cfg: PPOConfig) -> None:
     """What the config alone cannot know: is the strategy's library here, does it have CUDA."""
     if cfg.strategy.startswith("colossalai"):
-        try:
-            import colossalai  # noqa: F401
-        except Exception as e:  # ImportError, or a broken install failing on its own imports
-            raise ValueError(
-                f"ppo.strategy {cfg.strategy!r} needs ColossalAI: pip install --no-deps colossalai==0.5.0 einops "
-                f"contexttimer (CUDA only); or use ppo.strategy 'ddp' / 'fsdp' ({type(e).__name__}: {e})"
-            ) from None
+        # the exact imports the workers will run (a bare `import colossalai` passes without
+        # galore_torch / bitsandbytes, which colossalai.nn.optimizer needs: issue 19)
+        if (failure := import_failure(colossalai_imports())) is not None:
+            raise ValueError(colossalai_problem(cfg.strategy, failure))
         # unset (None) GPUs are chosen later, for the GPUs there are; 0 written is CPU
         if any(cfg.role(r).gpus_per_worker == 0 for r in LEARNERS) or cfg.device == "cpu":
             raise ValueError(
-                f"ppo.strategy {cfg.strategy!r} needs CUDA (ColossalAI's LowLevelZero and Gemini plugins do not run on "
-                "CPU): give ppo.actor and ppo.critic gpus_per_worker > 0, or use ppo.strategy 'ddp' / 'fsdp' on CPU"
+                f"ppo.strategy {cfg.strategy!r} needs CUDA (on CPU ColossalAI 0.5's LowLevelZero optimizer asserts a "
+                "cuda/npu device, and HybridAdam, which Gemini requires, is a CUDA kernel): give ppo.actor and ppo.critic gpus_per_worker > 0, or use ppo.strategy 'ddp' / 'fsdp' on CPU"
             )
 
 

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# ColossalAI's PPO strategies on the GPU machine (issue 19), from the project root there, with
+#   .devcarry/flow-lean.tar.xz    ../shared/device/pack-flow.sh (prefect, ray, ... for the flow)
+#   .devcarry/colossalai.tar.xz   bench/pack_colossalai.sh (colossalai 0.5.0 + galore-torch + bitsandbytes
+#                                 with the cuda130 library only + contexttimer; about 4 MB)
+# both in the run's carry (`carry: [".devcarry"]`). Steps, each writing its logs to $OUT:
+#   bash bench/gpu_colossalai.sh probe zero2      # one device call (kernel builds + one flow run: ~5 min)
+#   bash bench/gpu_colossalai.sh gemini ddp       # a second call: Gemini and the DDP baseline beside it
+#   bash bench/gpu_colossalai.sh resume_zero2     # kill -9 after the first checkpoint, rerun, compare with `zero2`
+# probe = bench/colossalai_probe.py (imports, launch, kernel build, 3 steps, full_state, rollout per plugin);
+# zero2 / gemini / ddp = `rlhf run` on the built-in model with ppo.strategy colossalai_zero2 /
+# colossalai_gemini / ddp, its own store each, summarised by bench/gpu_summary.py (samples/s, memory).
+# EXTRA="--set k=v ..." is added to the flow runs (e.g. the 0.3B model's config).
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+[ -d /tmp/site/prefect ] || { mkdir -p /tmp/site && tar -C /tmp/site -xJf .devcarry/flow-lean.tar.xz; }
+[ -d /tmp/site-colossalai/colossalai ] || { mkdir -p /tmp/site-colossalai && tar -C /tmp/site-colossalai -xJf .devcarry/colossalai.tar.xz; }
+# the ColossalAI site last: it also holds a top-level package named `extensions` (colossalai's wheel ships one)
+export PYTHONPATH=/tmp/site:$PWD:/tmp/site-colossalai PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 \
+  PREFECT_SERVER_ANALYTICS_ENABLED=false
+# HybridAdam's kernels are JIT-built at first use (torch.utils.cpp_extension + ninja + nvcc): Hopper only, all cores
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-$(nproc)}
+python3 -c "import torch, transformers, peft; print('torch', torch.__version__, torch.version.cuda, '| transformers', transformers.__version__, '| peft', peft.__version__)"
+python3 -m pip list 2>/dev/null | grep -iE "^(colossalai|bitsandbytes|galore|einops|contexttimer) " ; nvcc --version | tail -2
+gpumon() { nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv,noheader,nounits -lms 250 > "$1" & echo $!; }
+flow() {  # flow NAME ARGS...: `rlhf run` timed, the GPU sampled every 250 ms
+  local name=$1; shift
+  local mon; mon=$(gpumon "$OUT/gpu_$name.csv")
+  local t0; t0=$(date +%s.%N)
+  timeout "${FLOW_TIMEOUT:-420}" python3 -m flows.cli run "$@" ${EXTRA:-} > "$OUT/run_$name.log" 2>&1; local rc=$?
+  echo "rc=$rc wall_s=$(echo "$(date +%s.%N) - $t0" | bc)" >> "$OUT/run_$name.log"
+  kill "$mon"
+  [ $rc = 0 ] || { grep -n -B2 -A25 "Traceback" "$OUT/run_$name.log" | head -80; tail -30 ~/.prefect/rlhf-server.log >> "$OUT/run_$name.log" 2>/dev/null; }
+  grep -E "^rlhf: |placement|peak memory|rc=|Error|error:" "$OUT/run_$name.log" | tail -25
+  return $rc
+}
+strategy_of() { case $1 in zero2) echo colossalai_zero2 ;; gemini) echo colossalai_gemini ;; *) echo "$1" ;; esac; }
+adapter_sha() {  # the final PPO adapter's sha256 from its manifest
+  python3 -c "import json, glob; m = [json.load(open(p)) for p in glob.glob('$1/ppo/*/MANIFEST.json')]; m = [x for x in m if x['kind'] == 'ppo_actor']; print(m[0]['files']['adapter/adapter_model.safetensors']['sha256'] if m else 'no ppo_actor')"
+}
+for step in "$@"; do
+  echo "== $step $(date +%T)"
+  case $step in
+    probe) timeout 480 python3 bench/colossalai_probe.py --out "$OUT/probe.json" > "$OUT/probe.log" 2>&1; echo "rc=$?"
+           grep -E "^probe:|^\{" "$OUT/probe.log" | cut -c1-1500 ;;
+    zero2|gemini|ddp) rm -rf "/tmp/art-$step"
+           flow "$step" --set store.uri="file:///tmp/art-$step" --set ppo.strategy="$(strategy_of "$step")"
+           python3 bench/gpu_summary.py "/tmp/art-$step" "$OUT/gpu_$step.csv" > "$OUT/summary_$step.json"; cat "$OUT/summary_$step.json" ;;
+    resume_zero2|resume_gemini) s=${step#resume_}; store=/tmp/art-$step; rm -rf "$store"
+           args=(--set store.uri="file://$store" --set ppo.strategy="$(strategy_of "$s")")
+           setsid python3 -m flows.cli run "${args[@]}" ${EXTRA:-} > "$OUT/run_${step}_killed.log" 2>&1 & pid=$!
+           for _ in $(seq 300); do compgen -G "$store/ppo/*-ckpt/iter-*/MANIFEST.json" > /dev/null && break; sleep 1; done
+           kill -9 -- -"$pid" 2>/dev/null; wait "$pid" 2>/dev/null
+           echo "killed after checkpoint(s): $(ls -d "$store"/ppo/*-ckpt/iter-* 2>/dev/null | xargs -n1 basename | tr '\n' ' ')"
+           flow "$step" "${args[@]}"; grep -iE "resum" "$OUT/run_$step.log" | head -3
+           echo "adapter sha resumed:       $(adapter_sha "$store")"
+           echo "adapter sha uninterrupted: $(adapter_sha "/tmp/art-$s") (step $s in the same call, if it ran)" ;;
+    *) echo "unknown step $step (probe zero2 gemini ddp resume_zero2 resume_gemini)" ;;
+  esac
+done

@@ -1,0 +1,103 @@
+"""The ColossalAI strategies' install closure and its preflight check (issue 19).
+
+CI has no ColossalAI, and these tests install nothing: the check (``import_failure``) runs the
+exact imports in a fresh interpreter, so a partial install is made honestly from what exists — a
+bare virtual environment (the standard library only) with this checkout on PYTHONPATH, where a
+real project module is present and the real library it imports is not. That is the shape of the
+failure the issue hit (``colossalai.booster`` present, ``galore_torch`` it imports absent). The
+check over the real closure with ColossalAI installed was run in a scratch venv of the project's
+pins (issue 19's report); its output is the record used in ``test_problem_names_the_piece``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tasks.ppo.config import PPOConfig
+from tasks.ppo.group import COLOSSALAI_DISTRIBUTIONS, colossalai_imports, colossalai_problem, import_failure
+from tasks.ppo.train import check_ppo
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def bare_python(tmp_path_factory) -> tuple[str, dict[str, str]]:
+    """A virtual environment with no packages (not even pip), and an environment putting this
+    checkout, and nothing else, on its path."""
+    venv = tmp_path_factory.mktemp("bare") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    return str(venv / "bin" / "python"), {**env, "PYTHONPATH": str(ROOT)}
+
+
+def test_the_check_imports_what_the_workers_import():
+    """Derived from tasks/ppo/group.py's own import statements, in the order the workers run them:
+    launch_from_torch (init_group), then the Booster, both plugins and HybridAdam (wrap_learner)."""
+    assert colossalai_imports() == [("colossalai", None), ("colossalai", "launch_from_torch"),
+                                    ("colossalai.booster", "Booster"), ("colossalai.booster.plugin", "GeminiPlugin"),
+                                    ("colossalai.booster.plugin", "LowLevelZeroPlugin"),
+                                    ("colossalai.nn.optimizer", "HybridAdam")]
+    assert set(COLOSSALAI_DISTRIBUTIONS) >= {"colossalai", "galore_torch", "bitsandbytes"}
+
+
+def test_the_extra_is_the_closure_less_colossalai():
+    import tomllib
+
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["colossalai"]
+    assert sorted(extra) == sorted(v for k, v in COLOSSALAI_DISTRIBUTIONS.items() if k != "colossalai")
+
+
+def test_a_missing_dependency_of_a_present_module_is_named(bare_python):
+    """A present module whose import chain reaches an absent one: the absent one is named, not
+    the module asked for; what came before it passed."""
+    python, env = bare_python
+    f = import_failure([("json", "dumps"), ("tasks.ppo.losses", "ppo_clip_loss")], python=python, env=env)
+    assert f == {"module": "tasks.ppo.losses", "name": "ppo_clip_loss", "type": "ModuleNotFoundError",
+                 "error": "No module named 'torch'", "missing": "torch"}
+    msg = colossalai_problem("colossalai_gemini", f)
+    assert "`from tasks.ppo.losses import ppo_clip_loss` fails here" in msg
+    assert "the missing piece is 'torch', not one this project knew ColossalAI to need" in msg
+    assert "scripts/setup.sh --colossalai" in msg and "or use ppo.strategy 'ddp'" in msg
+
+
+def test_a_name_the_module_lacks_is_a_failure(bare_python):
+    """API drift (a renamed class in another ColossalAI release) fails the check too."""
+    python, env = bare_python
+    f = import_failure([("json", "dumps"), ("json", "no_such_plugin")], python=python, env=env)
+    assert (f["module"], f["name"], f["type"], f["missing"]) == ("json", "no_such_plugin", "AttributeError", None)
+    assert import_failure([("json", "dumps"), ("tasks.ppo", None)], python=python, env=env) is None  # all present
+
+
+def test_the_real_closure_without_colossalai(bare_python):
+    """The real list of imports, where ColossalAI is absent: the first import fails, named with
+    its pinned distribution and the install command."""
+    python, env = bare_python
+    f = import_failure(colossalai_imports(), python=python, env=env)
+    assert (f["module"], f["missing"]) == ("colossalai", "colossalai")
+    msg = colossalai_problem("colossalai_zero2", f)
+    assert "the missing piece is 'colossalai' (pip distribution colossalai==0.5.0)" in msg
+    assert "`scripts/setup.sh --colossalai` (= pip install --no-deps colossalai==0.5.0 galore-torch==1.0 bitsandbytes==0.50.2" in msg
+
+
+def test_problem_names_the_piece():
+    """The failure the check reported in the scratch venv (the project's pins + colossalai 0.5.0,
+    einops, contexttimer, without galore-torch): the issue's late ModuleNotFoundError, now named
+    at preflight with its distribution."""
+    f = {"module": "colossalai.booster", "name": "Booster", "type": "ModuleNotFoundError",
+         "error": "No module named 'galore_torch'", "missing": "galore_torch"}
+    msg = colossalai_problem("colossalai_gemini", f)
+    assert msg.startswith("ppo.strategy 'colossalai_gemini' needs ColossalAI: `from colossalai.booster import Booster` fails here")
+    assert "the missing piece is 'galore_torch' (pip distribution galore-torch==1.0)" in msg
+
+
+def test_check_ppo_stops_before_the_cuda_check():
+    """In this environment (no ColossalAI) check_ppo names the import, for either strategy, even
+    where the config also asks for CPU learners."""
+    for strategy in ("colossalai_zero2", "colossalai_gemini"):
+        with pytest.raises(ValueError, match=rf"ppo.strategy '{strategy}' needs ColossalAI: `import colossalai` fails here"):
+            check_ppo(PPOConfig(strategy=strategy, device="cpu"))
