@@ -61,6 +61,12 @@ def score_response(text: str) -> float:
     return max(-1.0, min(1.0, s / N_ADJ))
 
 
+def sentiment_reward(prompts: list[str], responses: list[str], **metadata) -> list[float]:
+    """``score_response`` as a reward function (``ppo.rewards: [{kind: function, function:
+    'tasks.common.builtin:sentiment_reward'}]``): the rule-based reward of the built-in task."""
+    return [score_response(r) for r in responses]
+
+
 def make_prompt(rng: random.Random) -> tuple[str, str]:
     thing = rng.choice(THINGS)
     return thing, rng.choice(PROMPT_TEMPLATES).format(x=thing)
