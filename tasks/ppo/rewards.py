@@ -178,10 +178,22 @@ def reward_code_version(cfg: PPOConfig) -> dict[str, str]:
 
 
 def check_reward_sources(cfg: PPOConfig, metadata_columns: Sequence[str] = ()) -> None:
-    """Before any model loads: each function imports and takes (prompts, responses, **metadata)."""
+    """Before any model loads: each function imports and takes (prompts, responses, **metadata);
+    each server's host:port takes a TCP connection (5 s at most)."""
+    import socket
+    from urllib.parse import urlparse
+
     for i, src in enumerate(cfg.rewards):
         if src.kind == "function":
             check_metadata_accepted(load_function(src.function, field(i)), src.function, field(i), metadata_columns)
+        elif src.kind == "http":
+            url = urlparse(src.url)
+            port = url.port or (443 if url.scheme == "https" else 80)
+            try:
+                socket.create_connection((url.hostname, port), timeout=min(5.0, src.timeout_s)).close()
+            except OSError as e:
+                raise ValueError(f"{field(i)}.url {src.url!r}: nothing answers at {url.hostname}:{port} ({e.strerror or e}); "
+                                 "start the reward server, or fix the url") from None
 
 
 def probe_reward_sources(cfg: PPOConfig, record: dict) -> None:
