@@ -265,8 +265,13 @@ def test_reward_functions_that_do_not_fit_are_clear_errors():
     with pytest.raises(ValueError, match=r"signature two_args_only\(prompts\).*def two_args_only\(prompts, responses, \*\*metadata\)"):
         load_function("tests.test_rl:two_args_only", "ppo.rewards[0]")
     cfg = PPOConfig(advantage="rloo", n_samples_per_prompt=2, rewards=[{"kind": "function", "function": "tests.test_rl:no_metadata"}])
-    with pytest.raises(ValueError, match=r"does not accept the metadata columns \['answer'\].*add \*\*metadata"):
+    with pytest.raises(ValueError, match=r"cannot be called with the metadata columns \['answer'\].*add \*\*metadata"):
         check_reward_sources(cfg, ["answer"])
+    needs_thing = PPOConfig(advantage="rloo", n_samples_per_prompt=2, rewards=[THING])
+    check_reward_sources(needs_thing)  # its `thing` comes from the data: judged with the columns
+    with pytest.raises(ValueError, match=r"metadata columns \[\].*missing a required argument: 'thing'.*data.prompt_metadata"):
+        check_reward_sources(needs_thing, [])
+    check_reward_sources(needs_thing, ["thing"])
     w = "ppo.rewards[1].function 'm:f'"
     with pytest.raises(ValueError, match=r"returned 2 rewards for 3 responses: return exactly one float per response"):
         as_rewards([1.0, 2.0], 3, w)

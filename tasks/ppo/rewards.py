@@ -55,7 +55,7 @@ def load_function(spec: str, where: str) -> Callable:
     except ValueError:  # a builtin without a signature: judged when called
         return fn
     try:
-        sig.bind(["prompt"], ["response"])
+        sig.bind_partial(["prompt"], ["response"])  # more required parameters: metadata columns by keyword
     except TypeError as e:
         raise ValueError(f"{where}.function {spec!r} has the signature {fn_name}{sig}, which cannot be called as "
                          f"fn(prompts, responses, **metadata) ({e}): define it as "
@@ -64,12 +64,13 @@ def load_function(spec: str, where: str) -> Callable:
 
 
 def check_metadata_accepted(fn: Callable, spec: str, where: str, columns: Sequence[str]) -> None:
-    """``fn`` takes every metadata column as a keyword (or ``**metadata``)."""
+    """``fn`` takes every metadata column as a keyword (or ``**metadata``), and needs no other."""
     try:
         inspect.signature(fn).bind(["prompt"], ["response"], **{c: [None] for c in columns})
     except TypeError as e:
-        raise ValueError(f"{where}.function {spec!r} does not accept the metadata columns {list(columns)} as keywords ({e}): "
-                         "add **metadata to its parameters") from None
+        raise ValueError(f"{where}.function {spec!r} cannot be called with the metadata columns {list(columns)} "
+                         f"(data.prompt_metadata) as keywords ({e}): add **metadata to its parameters, or the columns it "
+                         "needs to data.prompt_metadata") from None
     except ValueError:
         pass
 
@@ -177,15 +178,18 @@ def reward_code_version(cfg: PPOConfig) -> dict[str, str]:
     return out
 
 
-def check_reward_sources(cfg: PPOConfig, metadata_columns: Sequence[str] = ()) -> None:
-    """Before any model loads: each function imports and takes (prompts, responses, **metadata);
-    each server's host:port takes a TCP connection (5 s at most)."""
+def check_reward_sources(cfg: PPOConfig, metadata_columns: Sequence[str] | None = None) -> None:
+    """Before any model loads: each function imports and takes (prompts, responses, **metadata)
+    (with ``metadata_columns`` given, exactly those keywords); each server's host:port takes a
+    TCP connection (5 s at most)."""
     import socket
     from urllib.parse import urlparse
 
     for i, src in enumerate(cfg.rewards):
         if src.kind == "function":
-            check_metadata_accepted(load_function(src.function, field(i)), src.function, field(i), metadata_columns)
+            fn = load_function(src.function, field(i))
+            if metadata_columns is not None:
+                check_metadata_accepted(fn, src.function, field(i), metadata_columns)
         elif src.kind == "http":
             url = urlparse(src.url)
             port = url.port or (443 if url.scheme == "https" else 80)
