@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks of the flow in one device call (issue 13): run from the project root on the GPU
 # machine with the packages of ../shared/device/pack-flow.sh in .devcarry/ (see bench/RESULTS.md).
-#   bash bench/gpu_run.sh tests default 1.5b 8b        # each step writes its logs to $OUT
+#   bash bench/gpu_run.sh tests default 1.5b 8b grpo   # each step writes its logs to $OUT
+# grpo = bench/grpo_iteration.py (GRPO n=8 vs PPO, 0.4B shape) and the embedded default with GRPO and the rule as reward.
 # default = the README's first command (`rlhf run`, embedded default, GPU by default); 1.5b / 8b =
 # bench/gpu_shapes.py's shapes through the flow; EXTRA="--set k=v ..." is added to their runs.
 set -uo pipefail
@@ -29,5 +30,9 @@ for step in "$@"; do
     1.5b|8b) [ -f /tmp/s-$step/rlhf.yaml ] || python3 bench/gpu_shapes.py --shape "$step" --out /tmp/s-$step > "$OUT/shape_$step.log" 2>&1
              flow "$step" --config /tmp/s-$step/rlhf.yaml ${EXTRA:-}
              python3 bench/gpu_summary.py /tmp/s-$step/artifacts "$OUT/gpu_$step.csv" > "$OUT/summary_$step.json"; cat "$OUT/summary_$step.json" ;;
+    grpo) timeout 500 python3 bench/grpo_iteration.py --shape 0.4b --batch 64 --prompt-len 128 --new-tokens 128 --n 8 \
+            --out "$OUT/grpo_iteration.json" > "$OUT/grpo_iteration.log" 2>&1; tail -4 "$OUT/grpo_iteration.log"
+          rm -rf /tmp/art-grpo; flow grpo_default --set store.uri=file:///tmp/art-grpo --set ppo.advantage=grpo \
+            --set ppo.n_samples_per_prompt=8 --set "ppo.rewards=[{kind: function, function: 'tasks.common.builtin:sentiment_reward'}]" ;;
   esac
 done
