@@ -187,6 +187,37 @@ def test_dr_grpo_with_kl_loss_checkpoints_and_resumes_the_actor_alone(stages, tm
 
 
 # -- the DAG and the key ---------------------------------------------------------------------------
+@pytest.mark.slow
+def test_rlhf_run_with_code_rewards_skips_the_reward_model_stage(stages, prefect_api, tmp_path):
+    """`rlhf run` (the real CLI, a real Prefect server) on a store holding data and SFT: PPO with
+    GRPO and the rule is built, no reward-model task runs and none is stored; the rerun is all
+    cached and starts no Ray."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.test_flow import task_states
+
+    _, data, sft, root = stages
+    shutil.copytree(root, tmp_path / "store", ignore=shutil.ignore_patterns("ppo"))
+    argv = [str(Path(sys.executable).parent / "rlhf"), "run"]
+    for kv in ("store.uri=file://" + str(tmp_path / "store"), "data.prompt_metadata=[thing]", "ppo.advantage=grpo",
+               "ppo.n_samples_per_prompt=4", "ppo.num_iterations=2", "ppo.rollout_batch_size=16", "ppo.eval_every=2",
+               "ppo.rewards=[{kind: function, function: 'tasks.common.builtin:sentiment_reward'}]"):
+        argv += ["--set", kv]
+    for run in ("first", "rerun"):
+        p = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])
+        assert p.returncode == 0, f"{run}: {p.stdout[-2000:]}\n{p.stderr[-4000:]}"
+        out = p.stdout + p.stderr
+        states = {n: s["state"] for n, s in task_states().items()}
+        assert set(states) == {"data", "sft", "ppo"}, states  # no reward-model task at all
+        outcomes = {s: re.search(rf"rlhf: {s}\s+(\w+)", out).group(1) for s in states}
+        assert outcomes == {"data": "cached", "sft": "cached", "ppo": "built" if run == "first" else "cached"}, (run, outcomes)
+        assert "rlhf: rm" not in out
+    assert states == dict.fromkeys(("data", "sft", "ppo"), "Cached")  # the rerun: every stage a hit
+    assert sorted(d.name for d in (tmp_path / "store").iterdir() if not d.name.startswith(".")) == ["data", "ppo", "sft"]
+
+
 def test_flow_needs_no_reward_model_stage_with_code_rewards_and_no_critic(stages):
     """The flow's keys with data and SFT built: PPO's is known at once, keyed without a reward model."""
     from flows.config import PipelineConfig
