@@ -363,3 +363,26 @@ def test_reward_server_down_or_timing_out_is_a_clear_error(stages, ray_cluster, 
     ok = call_http(cfg.rewards[0].model_copy(update={"url": fast}), "ppo.rewards[0]", ["p", "q"],
                    ["The cat is kind, warm and calm.", "The cat is sad."], {})
     assert ok.tolist() == pytest.approx([1.0, -1 / 3])
+
+
+def test_prompt_metadata_columns_are_carried_into_the_dataset(tmp_path, rlhf_cache):
+    """data.prompt_metadata: the named fields of each prompts record land under `metadata` of its
+    prompt sample, as written (a nested value too); a record without one is an error naming it."""
+    from tasks.data.sources import DataError
+
+    src = tmp_path / "prompts.jsonl"
+    rows = [{"question": f"What is {i} + {i}?", "answer": str(2 * i), "tags": {"level": i % 3}} for i in range(40)]
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    store = ArtifactStore(f"file://{tmp_path / 'store'}")
+    cfg = DataConfig(prompts_path=str(src), columns={"prompt": "question"}, prompt_metadata=["answer", "tags"])
+    ref = prepare_data(cfg, MODEL, store, SEED)
+    out = [r for f in ("prompts_train.jsonl", "prompts_eval.jsonl") for r in read_jsonl(store.fetch(ref.key) / f)]
+    assert len(out) == 40
+    for r in out:
+        i = int(re.search(r"What is (\d+)", r["prompt"]).group(1))
+        assert r["metadata"] == {"answer": str(2 * i), "tags": {"level": i % 3}}
+    rows[7].pop("answer")
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(DataError, match=r"line 8: data.prompt_metadata lists 'answer' but the record has no such field.*"
+                                        r"add it to every prompts record, or drop it from data.prompt_metadata"):
+        prepare_data(cfg, MODEL, ArtifactStore(f"file://{tmp_path / 'store2'}"), SEED)
