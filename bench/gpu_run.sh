@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks of the flow in one device call (issue 13): run from the project root on the GPU
 # machine with the packages of ../shared/device/pack-flow.sh in .devcarry/ (see bench/RESULTS.md).
-#   bash bench/gpu_run.sh tests default 1.5b 8b        # each step writes its logs to $OUT
+#   bash bench/gpu_run.sh tests default 1.5b 8b grpo   # each step writes its logs to $OUT
 #   bash bench/gpu_run.sh rollout match               # issue 18: realistic rollouts; the stage beside the bench
+# grpo = bench/grpo_iteration.py (GRPO n=8 vs PPO, 0.4B shape) and the embedded default with GRPO and the rule as reward.
 # default = the README's first command (`rlhf run`, embedded default, GPU by default); 1.5b / 8b =
 # bench/gpu_shapes.py's shapes through the flow; EXTRA="--set k=v ..." is added to their runs.
 set -uo pipefail
@@ -36,5 +37,9 @@ for step in "$@"; do
               --epochs 2 --minibatch 16 --skip-rollout-baselines --skip-eager-learn --out "$OUT/ppo_iteration_match.json" > "$OUT/match_iteration.log" 2>&1
             tail -4 "$OUT/match_iteration.log"
             timeout 330 python3 bench/ppo_stage_gpu.py --runs 0.3b --out "$OUT/ppo_stage_gpu.json" > "$OUT/match_stage.log" 2>&1; tail -8 "$OUT/match_stage.log" ;;
+    grpo) timeout 500 python3 bench/grpo_iteration.py --shape 0.4b --batch 64 --prompt-len 128 --new-tokens 128 --n 8 \
+            --out "$OUT/grpo_iteration.json" > "$OUT/grpo_iteration.log" 2>&1; tail -4 "$OUT/grpo_iteration.log"
+          rm -rf /tmp/art-grpo; flow grpo_default --set store.uri=file:///tmp/art-grpo --set ppo.advantage=grpo \
+            --set ppo.n_samples_per_prompt=8 --set "ppo.rewards=[{kind: function, function: 'tasks.common.builtin:sentiment_reward'}]" ;;
   esac
 done

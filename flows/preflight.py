@@ -115,11 +115,13 @@ def preflight(cfg: PipelineConfig) -> None:
     if (fingerprint := cfg.model_dump_json()) in _PASSED:
         return
     from tasks.data.prepare import check_data
+    from tasks.ppo.rewards import check_reward_sources
     from tasks.ppo.train import check_ppo
 
     for fn in (lambda: check_store(cfg), lambda: check_ray_address(ray_address(cfg.ray)), lambda: check_local_gpus(cfg),
                lambda: check_ppo(cfg.ppo), lambda: check_model_exists(cfg.model), lambda: check_tokenizer(cfg),
-               lambda: check_data(cfg.data, cfg.model), lambda: check_lora_targets(cfg)):
+               lambda: check_data(cfg.data, cfg.model), lambda: check_lora_targets(cfg),
+               lambda: check_reward_sources(cfg.ppo, cfg.data.prompt_metadata)):
         try:
             fn()
         except ConfigError:

@@ -61,7 +61,7 @@ def rm_key(cfg: PipelineConfig, data: ArtifactRef) -> str:
     return rm_key(cfg.rm, cfg.model, data, cfg.seed)
 
 
-def ppo_key(cfg: PipelineConfig, data: ArtifactRef, sft: ArtifactRef, rm: ArtifactRef) -> str:
+def ppo_key(cfg: PipelineConfig, data: ArtifactRef, sft: ArtifactRef, rm: ArtifactRef | None) -> str:
     from tasks.ppo.train import ppo_key
 
     return ppo_key(cfg.ppo, cfg.model, data, sft, rm, cfg.seed)
@@ -158,7 +158,7 @@ def rm_task(cfg: PipelineConfig, key: str, data: ArtifactRef) -> dict:
 
 
 @task(name="ppo", **_TASK_OPTS)
-def ppo_task(cfg: PipelineConfig, key: str, data: ArtifactRef, sft: ArtifactRef, rm: ArtifactRef) -> dict:
+def ppo_task(cfg: PipelineConfig, key: str, data: ArtifactRef, sft: ArtifactRef, rm: ArtifactRef | None = None) -> dict:
     return _run_stage("ppo", _ppo, cfg, key, data=data, sft=sft, rm=rm)
 
 
@@ -209,9 +209,11 @@ def known_keys(cfg: PipelineConfig, store: ArtifactStore) -> dict[str, str]:
     if not hit(cfg, store, "data", keys["data"]):
         return keys
     data = store.ref(keys["data"])
-    keys["sft"], keys["rm"] = sft_key(cfg, data), rm_key(cfg, data)
-    if hit(cfg, store, "sft", keys["sft"]) and hit(cfg, store, "rm", keys["rm"]):
-        keys["ppo"] = ppo_key(cfg, data, store.ref(keys["sft"]), store.ref(keys["rm"]))
+    keys["sft"] = sft_key(cfg, data)
+    if cfg.ppo.needs_reward_model:
+        keys["rm"] = rm_key(cfg, data)
+    if hit(cfg, store, "sft", keys["sft"]) and ("rm" not in keys or hit(cfg, store, "rm", keys["rm"])):
+        keys["ppo"] = ppo_key(cfg, data, store.ref(keys["sft"]), store.ref(keys["rm"]) if "rm" in keys else None)
     return keys
 
 
@@ -220,10 +222,13 @@ def rlhf_stages(cfg: PipelineConfig, keys: dict[str, str]) -> dict[str, Artifact
     store = open_store(cfg)
     data = submit_stage(data_task, "data", keys["data"], cfg, store).result()
     sft = submit_stage(sft_task, "sft", keys.get("sft") or sft_key(cfg, data), cfg, store, data=data)
-    rm = submit_stage(rm_task, "rm", keys.get("rm") or rm_key(cfg, data), cfg, store, data=data)  # beside SFT on Ray
-    sft, rm = sft.result(), rm.result()
-    ppo = submit_stage(ppo_task, "ppo", keys.get("ppo") or ppo_key(cfg, data, sft, rm), cfg, store, data=data, sft=sft, rm=rm)
-    return {"data": data, "sft": sft, "rm": rm, "ppo": ppo.result()}
+    # the reward model stage runs only when PPO needs it: a reward term of kind 'model', or the critic (gae)
+    rm = submit_stage(rm_task, "rm", keys.get("rm") or rm_key(cfg, data), cfg, store, data=data) \
+        if cfg.ppo.needs_reward_model else None  # beside SFT on Ray
+    sft, rm = sft.result(), rm.result() if rm is not None else None
+    ppo = submit_stage(ppo_task, "ppo", keys.get("ppo") or ppo_key(cfg, data, sft, rm), cfg, store, data=data, sft=sft,
+                       **({"rm": rm} if rm is not None else {}))
+    return {"data": data, "sft": sft, **({"rm": rm} if rm is not None else {}), "ppo": ppo.result()}
 
 
 @flow(name="rlhf", log_prints=True)

@@ -107,6 +107,23 @@ CASES = [
     ("template-without-placeholder", ["--set", "data.prompt_template=Q: A:"], {},
      ["data.prompt_template", "'Q: A:'", "no {prompt} placeholder", "write e.g."]),
     ("refresh-unknown-stage", ["--refresh", "sfft"], {}, ["refresh", "['sfft']", "use some of"]),
+    # critic-free estimators and rewards by code (tasks/ppo/rewards.py)
+    ("grpo-group-not-dividing", ["--set", "ppo.advantage=grpo", "--set", "ppo.n_samples_per_prompt=5"], {},
+     ["ppo.n_samples_per_prompt (5) must divide ppo.rollout_batch_size (32)", "rollout_batch_size=30"]),
+    ("reward-function-not-importable", ["--set", "ppo.advantage=rloo", "--set", "ppo.n_samples_per_prompt=4",
+                                        "--set", "ppo.rewards=[{kind: function, function: 'no_such_pkg.verify:score'}]"], {},
+     ["ppo.rewards[0].function 'no_such_pkg.verify:score'", "does not import", "install it on every node"]),
+    ("reward-function-wrong-signature", ["--set", "ppo.advantage=rloo", "--set", "ppo.n_samples_per_prompt=4",
+                                         "--set", "ppo.rewards=[{kind: function, function: 'math:sqrt'}]"], {},
+     ["ppo.rewards[0].function 'math:sqrt'", "cannot be called as fn(prompts, responses, **metadata)",
+      "def sqrt(prompts, responses, **metadata)"]),
+    ("reward-server-down", ["--set", "ppo.advantage=rloo", "--set", "ppo.n_samples_per_prompt=4",
+                            "--set", "ppo.rewards=[{kind: http, url: 'http://127.0.0.1:{port}/score', version: v1}]"], {},
+     ["ppo.rewards[0].url 'http://127.0.0.1:{port}/score'", "nothing answers", "start the reward server"]),
+    ("reward-server-no-version", ["--set", "ppo.rewards=[{kind: http, url: 'http://127.0.0.1:{port}/score'}]"], {},
+     ["ppo.rewards.0", "needs `version`", "version='v1'"]),
+    ("prompt-metadata-missing", ["--set", "data.prompt_metadata=[answer]"], {},
+     ["data.prompt_metadata lists 'answer'", "add it to every prompts record"]),
 ]
 
 DRIVER = r"""

@@ -129,8 +129,8 @@ def test_prompt_sampler_position_is_its_state():
      r"the missing piece is 'colossalai' .*`scripts/setup.sh --colossalai` \(= pip install --no-deps colossalai==0.5.0"),
     ({"actor": {"gpus_per_worker": 1.0}}, r"ppo roles ask for 1 GPUs .* the Ray cluster has 0"),
     ({"colocate": True, **{r: {"gpus_per_worker": 0.25} for r in ("actor", "critic", "initial", "reward")}},
-     r"ppo roles ask for 1 GPUs"),
-    ({"actor": {"cpus_per_worker": 9.0}}, r"ask for 10.5 CPUs .* has 8"),
+     r"ppo roles ask for 0.75 GPUs \(actor 1x0.25, critic 1x0.25, reward 1x0.25\)"),  # the started roles: initial is shared
+    ({"actor": {"cpus_per_worker": 9.0}}, r"ask for 10 CPUs .* has 8"),
 ])
 def test_errors_before_any_actor_starts(stages, ray_cluster, override, message):
     _, store, data, sft, rm = stages

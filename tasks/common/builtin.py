@@ -61,6 +61,18 @@ def score_response(text: str) -> float:
     return max(-1.0, min(1.0, s / N_ADJ))
 
 
+def sentiment_reward(prompts: list[str], responses: list[str], **metadata) -> list[float]:
+    """``score_response`` as a reward function (``ppo.rewards: [{kind: function, function:
+    'tasks.common.builtin:sentiment_reward'}]``): the rule-based reward of the built-in task."""
+    return [score_response(r) for r in responses]
+
+
+def thing_reward(prompts: list[str], responses: list[str], thing: list[str], **metadata) -> list[float]:
+    """1.0 when the response names the prompt's thing, else 0.0: a verifier against a reference
+    column (``data.prompt_metadata: [thing]``), the shape of a reward with a reference answer."""
+    return [float(t in _WORD.findall(r.lower())) for t, r in zip(thing, responses)]
+
+
 def make_prompt(rng: random.Random) -> tuple[str, str]:
     thing = rng.choice(THINGS)
     return thing, rng.choice(PROMPT_TEMPLATES).format(x=thing)
@@ -85,7 +97,8 @@ def generate_task(seed: int = 0, n_sft: int = 600, n_pairs: int = 600, n_prompts
         lo = rng.randint(0, hi - 1)
         pairs.append({"prompt": prompt, "chosen": make_response(rng, thing, hi), "rejected": make_response(rng, thing, lo)})
     for _ in range(n_prompts):
-        prompts.append({"prompt": make_prompt(rng)[1]})
+        thing, prompt = make_prompt(rng)
+        prompts.append({"prompt": prompt, "thing": thing})  # `thing`: a metadata column (data.prompt_metadata)
     for _ in range(n_ptx):
         thing, _ = make_prompt(rng)
         ptx.append({"text": make_response(rng, thing, rng.randint(0, N_ADJ))})
@@ -109,8 +122,10 @@ def _corpus() -> list[str]:
     lines = []
     for name, records in generate_task(seed=12345).items():
         for r in records:
-            for v in r.values():
-                lines.append(PROMPT_FORMAT.format(prompt=v) if name == "prompts" else v)
+            if name == "prompts":  # its text only: the `thing` column is metadata, not text the tokenizer sees
+                lines.append(PROMPT_FORMAT.format(prompt=r["prompt"]))
+                continue
+            lines += r.values()
     lines += [PROMPT_FORMAT.format(prompt=t.format(x=x)) for t in PROMPT_TEMPLATES for x in THINGS]
     lines += [" ".join(POSITIVE + NEGATIVE + THINGS), "Human: Assistant: The is , and ."]
     return lines

@@ -29,6 +29,7 @@ class DataConfig(BaseModel):
     prompt_template: str = Field("Human: {prompt}\nAssistant:", description="How a prompt is rendered (must contain {prompt}); chat `messages` use the tokenizer's chat template instead.")
     response_template: str = Field(" {response}", description="How a response follows the rendered prompt (must contain {response}); EOS is appended.")
     builtin_seed: int = Field(0, description="Seed of the built-in task generator.")
+    prompt_metadata: list[str] = Field(default_factory=list, description="Fields of each prompts record (as named in your data) carried to PPO as its metadata, e.g. ['answer']: reward functions and servers (ppo.rewards) get them as keyword lists. Each must be in every prompts record.")
 
     @field_validator("prompt_template")
     @classmethod

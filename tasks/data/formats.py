@@ -23,7 +23,7 @@ malformed is a ``DataError`` naming the field, URI, line or record, and the fix.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from tasks.data.sources import DataError, open_source
 
@@ -276,15 +276,25 @@ _NORMALISERS = {"sft": lm_record, "ptx": lm_record, "preference": pair_record, "
 
 
 def normalize(kind: str, records: Iterable[tuple[str, Any]], *, columns: Mapping[str, str] | None = None,
-              prompt_template: str | None = None, dropped: dict | None = None, used: set | None = None) -> Iterator[dict]:
-    """The data-prep records of one source; degenerate ones are counted in ``dropped[reason]``."""
+              prompt_template: str | None = None, dropped: dict | None = None, used: set | None = None,
+              metadata: Sequence[str] = ()) -> Iterator[dict]:
+    """The data-prep records of one source; degenerate ones are counted in ``dropped[reason]``.
+    ``metadata``: fields of a prompts record kept, as they are, under the record's ``metadata``."""
     required, optional = source_columns(columns or {}, kind)
     used = set() if used is None else used
     fn = _NORMALISERS[kind]
     extra = {"prompt_template": prompt_template} if kind == "prompts" else {}
     for where, obj in records:
         try:
-            yield fn(_rename(obj, required, optional, where, kind, used), where, **extra)
+            rec = fn(_rename(obj, required, optional, where, kind, used), where, **extra)
+            if metadata and kind == "prompts":
+                missing = [c for c in metadata if not isinstance(obj, dict) or c not in obj]
+                if missing:
+                    raise DataError(f"{where}: data.prompt_metadata lists {missing[0]!r} but the record has no such field "
+                                    f"(found {sorted(obj) if isinstance(obj, dict) else type(obj).__name__}); add it to every "
+                                    "prompts record, or drop it from data.prompt_metadata")
+                rec["metadata"] = {c: obj[c] for c in metadata}
+            yield rec
         except Drop as d:
             if dropped is not None:
                 dropped[d.reason] = dropped.get(d.reason, 0) + 1

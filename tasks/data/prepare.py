@@ -72,7 +72,8 @@ def _records(cfg: DataConfig, name: str, src: Source, dropped: dict, used: set, 
             counter[0] += 1
             yield item
 
-    return normalize(name, counted(), columns=cfg.columns, prompt_template=cfg.prompt_template, dropped=dropped, used=used)
+    return normalize(name, counted(), columns=cfg.columns, prompt_template=cfg.prompt_template, dropped=dropped, used=used,
+                     metadata=cfg.prompt_metadata)
 
 
 def _check_kept(src: Source, records: int, kept: int, dropped: dict) -> None:
@@ -98,7 +99,7 @@ def scan_sources(cfg: DataConfig, sources: dict[str, Source]) -> dict[str, Scan]
     out = {}
     for name, src in sources.items():
         ident = src.uri if src.uri.startswith("builtin:") else src.identity  # built-in files are fresh temp files
-        memo = (name, ident, json.dumps(cfg.columns, sort_keys=True), cfg.prompt_template)
+        memo = (name, ident, json.dumps(cfg.columns, sort_keys=True), cfg.prompt_template, tuple(cfg.prompt_metadata))
         if memo not in _SCANS:
             dropped, used, counter, kept, chat = {}, set(), [0], 0, False
             for r in _records(cfg, name, src, dropped, used, counter):
@@ -251,7 +252,7 @@ def _prompt_samples(enc: Encoder, records: Iterable[dict], stats: dict) -> Itera
             body = ids[len(enc.prefix):] if enc.prefix and ids[: len(enc.prefix)] == enc.prefix else ids
             text = enc.tok.decode(body)
             stats["truncated"] += 1
-        yield {"prompt_ids": ids, "prompt": text}
+        yield {"prompt_ids": ids, "prompt": text, **({"metadata": rec["metadata"]} if "metadata" in rec else {})}
 
 
 _SAMPLES = {"sft": _lm_samples, "ptx": _lm_samples, "preference": _pair_samples, "prompts": _prompt_samples}

@@ -100,7 +100,7 @@ def load_checkpoint(store: ArtifactStore, ckpt_key: str, num_workers: Mapping[st
     """(role -> each rank's shard ref, verified against the content the checkpoint recorded; driver state)."""
     manifest = store.manifest(ckpt_key)
     shards = {}
-    for role in LEARNERS:
+    for role in num_workers:  # the learners of the run (no critic with a critic-free estimator)
         keys = manifest["shards"][role]
         if len(keys) != num_workers[role]:
             raise ValueError(f"checkpoint {ckpt_key}: {role} has {len(keys)} ranks but ppo.{role}.num_workers is {num_workers[role]}")

@@ -29,6 +29,40 @@ class RoleConfig(BaseModel):
     cpus_per_worker: float = Field(0.5, ge=0.0, description="CPUs Ray reserves per actor (also its torch thread count, at least 1).")
 
 
+class RewardSource(BaseModel):
+    """One term of the reward: the trained reward model, a Python function, or an HTTP server.
+    ``ppo.rewards`` sums its terms, each times its ``weight`` (tasks/ppo/rewards.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["model", "function", "http"] = Field("model", description="'model': the reward model stage's artifact (the `reward` role group); 'function': `function`(prompts, responses, **metadata) -> list[float], run in Ray tasks; 'http': POST {prompts, responses, metadata} to `url`, which answers {rewards: [...]}.")
+    weight: float = Field(1.0, description="This term's weight in the sum.")
+    function: str | None = Field(None, description="kind 'function': 'package.module:function', importable on every node; its module's source is part of the PPO stage's key.")
+    url: str | None = Field(None, description="kind 'http': the endpoint that scores a batch.")
+    version: str | None = Field(None, description="kind 'http': the server's scoring version, part of the PPO stage's key (the server's code is not visible here): change it when the scoring changes.")
+    timeout_s: float = Field(30.0, gt=0.0, description="kind 'http': seconds to wait for one answer.")
+    retries: int = Field(2, ge=0, description="kind 'http': retries after a timeout, a refused connection or a 5xx (exponential backoff from 1 s).")
+    num_cpus: float = Field(0.0, ge=0.0, description="kind 'function'/'http': CPUs each scoring Ray task reserves (0: runs beside the roles, whose placement group may hold every CPU).")
+
+    @model_validator(mode="after")
+    def _check(self):
+        need = {"model": (), "function": ("function",), "http": ("url", "version")}[self.kind]
+        for f in ("function", "url", "version"):
+            if f in need and not getattr(self, f):
+                example = {"function": "'mypkg.verify:score'", "url": "'http://127.0.0.1:8000/score'", "version": "'v1'"}[f]
+                raise ValueError(f"a reward of kind {self.kind!r} needs `{f}`: e.g. {f}={example}")
+            if f not in need and getattr(self, f) is not None:
+                raise ValueError(f"`{f}` ({getattr(self, f)!r}) is not used by a reward of kind {self.kind!r}: remove it, or set kind")
+        if self.function is not None:
+            mod, _, fn = self.function.partition(":")
+            if not mod or not fn or not all(p.isidentifier() for p in mod.split(".") + [fn]):
+                raise ValueError(f"function {self.function!r} is not an import path 'package.module:function' (e.g. "
+                                 "'tasks.common.builtin:sentiment_reward')")
+        if self.url is not None and not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"url {self.url!r}: expected http://host:port/path or https://...")
+        return self
+
+
 class PPOConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -44,7 +78,7 @@ class PPOConfig(BaseModel):
 
     # -- the PPO loop
     num_iterations: int = Field(30, gt=0, description="Rollout + learn iterations.")
-    rollout_batch_size: int = Field(32, gt=0, description="Prompts per iteration (seed: experience_batch_size 8).")
+    rollout_batch_size: int = Field(32, gt=0, description="Responses per iteration: rollout_batch_size / n_samples_per_prompt prompts, each answered n_samples_per_prompt times (seed: experience_batch_size 8).")
     train_batch_size: int = Field(8, gt=0, description="Minibatch per learner worker of one optimizer step; actor/critic num_workers x train_batch_size must divide rollout_batch_size.")
     ppo_epochs: int = Field(2, gt=0, description="Passes over each rollout.")
     actor_lr: float = Field(5e-4, gt=0.0, description="Actor (LoRA) learning rate (tuned for the built-in model; seed: 5e-6 for real models).")
@@ -57,7 +91,15 @@ class PPOConfig(BaseModel):
     value_clip: float | None = Field(0.4, gt=0.0, description="Value clip around the rollout's values (seed 0.4); None: unclipped.")
     gamma: float = Field(1.0, ge=0.0, le=1.0, description="Discount of GAE.")
     lam: float = Field(0.95, ge=0.0, le=1.0, description="GAE lambda (1.0 with gamma 1.0 gives the seed's reward - value).")
-    whiten_advantages: bool = Field(True, description="Whiten advantages over the rollout batch.")
+    whiten_advantages: bool | None = Field(None, description="Whiten advantages over the rollout batch. None: on for gae and reinforce_pp (REINFORCE++'s batch-whitened baseline), off for grpo and rloo (their baseline is the group's).")
+
+    # -- the advantage estimator (tasks/ppo/advantages.py) and the reward (tasks/ppo/rewards.py)
+    advantage: Literal["gae", "grpo", "rloo", "reinforce_pp"] = Field("gae", description="'gae': PPO with the critic (a value model from the reward model); critic-free, no critic role and no critic memory: 'grpo' (score minus its group's mean, over its std unless grpo_normalize_std is off), 'rloo' (minus the mean of the other responses to the prompt), 'reinforce_pp' (REINFORCE++: returns whitened over the batch).")
+    n_samples_per_prompt: int = Field(1, gt=0, description="Responses sampled per prompt (one group); grpo and rloo need >= 2. Must divide rollout_batch_size; with grpo/rloo also train_batch_size, so a group stays on one learner rank.")
+    grpo_normalize_std: bool = Field(True, description="grpo: divide by the group's std (GRPO); off: Dr. GRPO (score minus group mean only).")
+    loss_aggregation: Literal["token_mean", "sequence_mean", "constant"] = Field("token_mean", description="How the per-token policy loss (and a KL loss) becomes one number per minibatch: 'token_mean' over all tokens, 'sequence_mean' = mean over responses of their token mean (GRPO), 'constant' = token sum / (responses x max_new_tokens) (Dr. GRPO).")
+    kl_penalty: Literal["reward", "loss"] = Field("reward", description="Where the KL to the reference goes: 'reward' = -kl_coef x kl_estimator per token in the reward (PPO), 'loss' = + kl_coef x k3 in the actor's loss (GRPO; kl_estimator then only shapes the reported KL).")
+    rewards: list[RewardSource] = Field(default_factory=lambda: [RewardSource()], min_length=1, description="The reward: the weighted sum of these terms (default: the trained reward model alone).")
     missing_eos_penalty: float | None = Field(None, ge=0.0, description="Subtract this from the score of responses that end without a stop token (truncated at max_new_tokens); None: off.")
     ptx_coef: float = Field(0.0, ge=0.0, description="Weight of the pretraining (ptx) LM loss on ptx_train (seed 0.9; off here: the built-in ptx text has random sentiment).")
     ptx_batch_size: int = Field(8, gt=0, description="ptx sequences per optimizer step per actor worker.")
@@ -91,7 +133,24 @@ class PPOConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self):
-        for role in LEARNERS:
+        n = self.n_samples_per_prompt
+        if self.rollout_batch_size % n:
+            raise ValueError(f"ppo.n_samples_per_prompt ({n}) must divide ppo.rollout_batch_size ({self.rollout_batch_size}), "
+                             f"the responses per iteration: e.g. rollout_batch_size={_multiple(self.rollout_batch_size, n)}")
+        if self.advantage in ("grpo", "rloo"):
+            if n < 2:
+                raise ValueError(f"ppo.advantage {self.advantage!r} compares the responses to one prompt, so ppo.n_samples_per_prompt "
+                                 f"({n}) must be >= 2: e.g. n_samples_per_prompt=4 (or advantage 'reinforce_pp' / 'gae' for one)")
+            if self.train_batch_size % n:
+                raise ValueError(f"ppo.n_samples_per_prompt ({n}) must divide ppo.train_batch_size ({self.train_batch_size}) with "
+                                 f"advantage {self.advantage!r}, so no group is split across minibatches or learner ranks: "
+                                 f"e.g. train_batch_size={_multiple(self.train_batch_size, n)}")
+        if self.advantage != "gae" and self.critic_lora_rank:
+            raise ValueError(f"ppo.critic_lora_rank ({self.critic_lora_rank}): advantage {self.advantage!r} has no critic; "
+                             "set critic_lora_rank 0, or advantage 'gae'")
+        if sum(r.kind == "model" for r in self.rewards) > 1:
+            raise ValueError("ppo.rewards lists kind 'model' more than once: there is one reward model; give its weight once")
+        for role in self.learners:
             n = getattr(self, role).num_workers
             if self.rollout_batch_size % (n * self.train_batch_size):
                 raise ValueError(
@@ -122,15 +181,44 @@ class PPOConfig(BaseModel):
 
     @property
     def started_roles(self) -> tuple[str, ...]:
-        """The role groups that get Ray actors: all four, less `initial` with a shared reference
-        and `reward` when the critic serves it."""
-        return tuple(r for r in ROLES if not (r == "initial" and self.reference == "shared")
-                     and not (r == "reward" and self.reward_on_critic))
+        """The role groups that get Ray actors: all four, less `initial` with a shared reference,
+        `critic` with a critic-free estimator, and `reward` when the critic serves it or no reward
+        term is the model."""
+        skip = {"initial"} if self.reference == "shared" else set()
+        if not self.uses_critic:
+            skip.add("critic")
+        if self.reward_on_critic or not self.uses_reward_model:
+            skip.add("reward")
+        return tuple(r for r in ROLES if r not in skip)
+
+    @property
+    def learners(self) -> tuple[str, ...]:
+        """The role groups that learn (and checkpoint): actor, and the critic with 'gae'."""
+        return tuple(r for r in LEARNERS if r in self.started_roles)
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.advantage == "gae"
+
+    @property
+    def uses_reward_model(self) -> bool:
+        """A reward term is the trained reward model (kind 'model')."""
+        return any(r.kind == "model" for r in self.rewards)
+
+    @property
+    def needs_reward_model(self) -> bool:
+        """The reward-model stage must run: a reward term is the model, or the critic starts from it."""
+        return self.uses_reward_model or self.uses_critic
 
     @property
     def reward_on_critic(self) -> bool:
         """The critic workers serve the frozen reward model (``reward_model`` 'shared', LoRA critic)."""
-        return self.critic_lora_rank > 0 and self.reward_model == "shared"
+        return self.critic_lora_rank > 0 and self.reward_model == "shared" and self.uses_critic and self.uses_reward_model
+
+    @property
+    def whiten(self) -> bool:
+        """``whiten_advantages`` resolved for the estimator."""
+        return self.whiten_advantages if self.whiten_advantages is not None else self.advantage in ("gae", "reinforce_pp")
 
     @property
     def num_chunks(self) -> int:

@@ -22,7 +22,7 @@ from typing import Any
 
 from tasks.common.dist import free_port, init_distributed, node_ip, placement_bundles
 from tasks.common.model import transformer_blocks
-from tasks.ppo.config import ROLES, PPOConfig, RoleConfig
+from tasks.ppo.config import PPOConfig, RoleConfig
 
 
 # ----------------------------------------------------------------------------- placement
@@ -33,9 +33,9 @@ def role_device(cfg: PPOConfig, role: str) -> str:
 
 
 def requested_resources(cfg: PPOConfig) -> dict[str, float]:
-    """Total CPUs and GPUs the four role groups reserve."""
-    cpus = sum(cfg.role(r).num_workers * cfg.role(r).cpus_per_worker for r in ROLES)
-    gpus = sum(cfg.role(r).num_workers * cfg.role(r).gpus_per_worker for r in ROLES)
+    """Total CPUs and GPUs the started role groups reserve."""
+    cpus = sum(cfg.role(r).num_workers * cfg.role(r).cpus_per_worker for r in cfg.started_roles)
+    gpus = sum(cfg.role(r).num_workers * cfg.role(r).gpus_per_worker for r in cfg.started_roles)
     return {"CPU": cpus, "GPU": gpus}
 
 
@@ -45,7 +45,7 @@ def check_cluster(cfg: PPOConfig) -> None:
 
     have = ray.cluster_resources()
     need = requested_resources(cfg)
-    per_role = ", ".join(f"{r} {cfg.role(r).num_workers}x{cfg.role(r).gpus_per_worker}" for r in ROLES)
+    per_role = ", ".join(f"{r} {cfg.role(r).num_workers}x{cfg.role(r).gpus_per_worker}" for r in cfg.started_roles)
     if need["GPU"] > have.get("GPU", 0.0) + 1e-9:
         raise ValueError(
             f"ppo roles ask for {need['GPU']:g} GPUs ({per_role}) but the Ray cluster has "

@@ -180,24 +180,37 @@ class PolicyLoss(NamedTuple):
     ratio_mean: Tensor     # scalar, detached
 
 
-def ppo_clip_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, eps_clip: float = 0.2) -> PolicyLoss:
-    """PPO clipped surrogate (Schulman et al. 2017), token-level mean over the mask.
+def ppo_clip_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, eps_clip: float = 0.2,
+                  aggregate=masked_mean) -> PolicyLoss:
+    """PPO clipped surrogate (Schulman et al. 2017), aggregated over the mask (token mean by default).
 
         r_t  = exp(logp_t - old_logp_t)
-        loss = masked_mean( max(-A_t * r_t, -A_t * clip(r_t, 1 - eps, 1 + eps)) )
+        loss = aggregate( max(-A_t * r_t, -A_t * clip(r_t, 1 - eps, 1 + eps)) )
 
-    logp (with grad), old_logp, advantages, mask: (B, T). ``approx_kl = masked_mean((r - 1) - log r)``.
+    logp (with grad), old_logp, advantages, mask: (B, T). ``aggregate(x, mask) -> scalar``: one of
+    ``tasks.ppo.advantages``' token_mean / sequence_mean / constant_normalizer(T) (the statistics
+    stay token means). ``approx_kl = masked_mean((r - 1) - log r)``.
     """
     log_ratio = logp - old_logp
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - eps_clip, 1.0 + eps_clip)
-    loss = masked_mean(torch.maximum(unclipped, clipped), mask)
+    loss = aggregate(torch.maximum(unclipped, clipped), mask)
     with torch.no_grad():
         clip_fraction = masked_mean((clipped > unclipped).to(logp.dtype), mask)
         approx_kl = masked_mean((ratio - 1.0) - log_ratio, mask)
         ratio_mean = masked_mean(ratio, mask)
     return PolicyLoss(loss, clip_fraction, approx_kl, ratio_mean)
+
+
+def kl_loss(logp: Tensor, ref_logp: Tensor, mask: Tensor, aggregate=masked_mean) -> Tensor:
+    """KL to the reference as a loss term (GRPO, ``ppo.kl_penalty`` 'loss'): ``aggregate(k3)``.
+
+        k3_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1   (>= 0; the estimator GRPO's loss uses)
+
+    logp (with grad), ref_logp, mask: (B, T) -> scalar (differentiable).
+    """
+    return aggregate(kl_k3(logp, ref_logp), mask)
 
 
 class ValueLoss(NamedTuple):

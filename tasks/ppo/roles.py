@@ -1,4 +1,4 @@
-"""The four PPO roles as Ray actor classes, and the experience maker they feed.
+"""The four PPO roles as Ray actor classes (the experience they learn from: tasks/ppo/experience.py).
 
 Each class is a plain Python class with typed methods; ``RoleGroup`` turns it into Ray actors
 and the driver calls ``worker.method.remote(...)``. Tensors travel as ``Rollout`` /
@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import random
 from contextlib import contextmanager
-from typing import NamedTuple
-
 import torch
 from torch import Tensor
 
@@ -38,19 +36,10 @@ from storage.store import ArtifactRef
 from tasks.common.loop import autocast
 from tasks.common.model import checkpoint_blocks
 from tasks.ppo.config import PPOConfig
+from tasks.ppo.experience import Experience
 from tasks.ppo.fast_generate import fast_generate_applies
 from tasks.ppo.group import DistributedWorker, agree_finished, compile_blocks, full_state, load_full_state, wants_compile, wrap_learner
 from tasks.ppo.padding import attended_span, cut, pad_actions
-
-
-class Experience(NamedTuple):
-    sequences: Tensor       # (B, L) long
-    attention_mask: Tensor  # (B, L) long
-    action_mask: Tensor     # (B, N) float
-    logprobs: Tensor        # (B, N) actor log-probs at rollout time
-    values: Tensor          # (B, N) critic values at rollout time
-    advantages: Tensor      # (B, N) (whitened over the rollout batch when configured)
-    returns: Tensor         # (B, N)
 
 
 def _chunks(rollout, n: int):
@@ -235,20 +224,28 @@ class PolicyWorker(_LearnerMixin, DistributedWorker):
                                       rollout.action_mask.shape[1], self.ppo.temperature)
         return logp.cpu()
 
-    def learn(self, *experience: Experience) -> dict[str, float]:
-        """ppo_epochs passes over this rank's minibatches, one optimizer step each."""
+    def learn(self, kl_coef: float, *experience: Experience) -> dict[str, float]:
+        """ppo_epochs passes over this rank's minibatches, one optimizer step each. ``kl_coef``:
+        the weight of the KL loss term (``ppo.kl_penalty`` 'loss'; unused with 'reward')."""
+        from tasks.ppo.experience import loss_aggregation
         from tasks.ppo.generation import action_logprobs
-        from tasks.ppo.losses import ppo_clip_loss
+        from tasks.ppo.losses import kl_loss, ppo_clip_loss
 
-        stats = {"policy_loss": 0.0, "clip_fraction": 0.0, "approx_kl": 0.0, "ptx_loss": 0.0}
+        aggregate = loss_aggregation(self.ppo)
+        kl_in_loss = self.ppo.kl_penalty == "loss"
+        stats = {"policy_loss": 0.0, "clip_fraction": 0.0, "approx_kl": 0.0, "ptx_loss": 0.0, **({"kl_loss": 0.0} if kl_in_loss else {})}
         steps = 0
         for _ in range(self.ppo.ppo_epochs):
             for i in torch.randperm(len(experience), generator=self.learn_gen).tolist():
                 e = Experience(*(t.to(self.device) for t in experience[i]))
                 with autocast(self.device):
                     logp = action_logprobs(self.model, e.sequences, e.attention_mask, e.action_mask.shape[1], self.ppo.temperature)
-                    pl = ppo_clip_loss(logp, e.logprobs, e.advantages, e.action_mask, self.ppo.eps_clip)
+                    pl = ppo_clip_loss(logp, e.logprobs, e.advantages, e.action_mask, self.ppo.eps_clip, aggregate)
                     loss = pl.loss
+                    if kl_in_loss:
+                        kl = kl_loss(logp, e.ref_logprobs, e.action_mask, aggregate)
+                        loss = loss + kl_coef * kl
+                        stats["kl_loss"] += float(kl.detach())
                     if self.ppo.ptx_coef > 0:
                         ptx = self._ptx_loss()
                         loss = loss + self.ppo.ptx_coef * ptx
@@ -402,40 +399,3 @@ class CriticWorker(_LearnerMixin, DistributedWorker):
                 self._step(vl.loss)
                 loss_sum, clip_sum, steps = loss_sum + float(vl.loss.detach()), clip_sum + float(vl.clip_fraction), steps + 1
         return {"value_loss": loss_sum / steps, "value_clip_fraction": clip_sum / steps}
-
-
-def make_experience(ppo: PPOConfig, kl_coef: float, n: int, *parts) -> tuple:
-    """Rewards, GAE and advantages for ``n`` chunks; runs as a Ray task (not on the driver).
-
-    ``parts``: n rollouts, n (logp, entropy), n reference log-probs, n values, n scores — Ray
-    resolves them because they are top-level arguments. Returns n Experience + a stats dict.
-    """
-    from tasks.ppo.losses import apply_missing_eos_penalty, gae, kl_k1, kl_k3, masked_mean, masked_whiten, token_rewards
-
-    rollouts, policy, ref, values, scores = (parts[i * n:(i + 1) * n] for i in range(5))
-    kl_fn = kl_k1 if ppo.kl_estimator == "k1" else kl_k3
-    advs, rets, kls, ents = [], [], [], []
-    for ro, (logp, ent), ref_logp, v, score in zip(rollouts, policy, ref, values, scores):
-        mask = ro.action_mask
-        kl = kl_fn(logp, ref_logp)
-        if ppo.missing_eos_penalty is not None:
-            score = apply_missing_eos_penalty(score, ro.ended_with_eos, ppo.missing_eos_penalty)
-        adv, ret = gae(token_rewards(score, kl, mask, kl_coef), v, mask, ppo.gamma, ppo.lam)
-        advs.append(adv), rets.append(ret), kls.append(masked_mean(kl, mask, dim=1) * mask.sum(1)), ents.append(ent)
-    masks = torch.cat([ro.action_mask for ro in rollouts])
-    adv_all = torch.cat(advs)
-    if ppo.whiten_advantages:
-        adv_all = masked_whiten(adv_all, masks)
-    adv_chunks = adv_all.split([a.shape[0] for a in advs])
-    exps = tuple(Experience(ro.sequences, ro.attention_mask, ro.action_mask, logp, v, a, r)
-                 for ro, (logp, _), v, a, r in zip(rollouts, policy, values, adv_chunks, rets))
-    score_all = torch.cat(scores)
-    stats = {
-        "reward_mean": float(score_all.mean()), "reward_std": float(score_all.std()),
-        "kl": float(torch.cat(kls).mean()), "entropy": float(masked_mean(torch.cat(ents), masks)),
-        "response_length": float(masks.sum(1).mean()),
-        "eos_fraction": float(torch.cat([ro.ended_with_eos for ro in rollouts]).float().mean()),
-        "value_mean": float(masked_mean(torch.cat(values), masks)),
-        "return_mean": float(masked_mean(torch.cat(rets), masks)),
-    }
-    return (*exps, stats)

@@ -12,40 +12,50 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from typing import Callable
 
 import torch
 
 from storage.keys import code_version, stage_key
 from storage.store import ArtifactRef, ArtifactStore
-from tasks.common.builtin import score_response
 from tasks.common.model import ModelConfig, check_model_exists, load_tokenizer, model_stop_ids
 from tasks.common.tracking import Tracker, TrackingConfig
 from tasks.data.dataset import read_jsonl
 from tasks.ppo.checkpoint import latest_checkpoint, load_checkpoint, publish_final, save_checkpoint
-from tasks.ppo.config import LEARNERS, PPOConfig, check_gpu_fit, resolve_placement
+from tasks.ppo.config import PPOConfig, check_gpu_fit, resolve_placement
 from tasks.ppo.fast_generate import check_fast_generate
 from tasks.ppo.group import (RoleGroup, check_cluster, colossalai_imports, colossalai_problem, create_placement_groups,
                              import_failure, role_bundles, role_device)
+from tasks.ppo.run import PPORun
 
 log = logging.getLogger("rlhf.ppo")
-EVAL_SEED = 20240601
-SAMPLES = 4  # held-out prompts whose responses each evaluation keeps (``eval/samples``)
 METRICS = ("reward_mean", "reward_std", "kl", "entropy", "policy_loss", "value_loss", "clip_fraction", "response_length")
 
 
-def read_parts(data: ArtifactRef, sft: ArtifactRef, rm: ArtifactRef) -> dict[str, ArtifactRef]:
+def read_parts(data: ArtifactRef, sft: ArtifactRef, rm: ArtifactRef | None) -> dict[str, ArtifactRef]:
     """The inputs narrowed to the parts PPO reads: what it keys on, and what its workers check
     they fetched (TensorBoard's event files, with wall times, must neither re-key PPO nor fail a
-    worker's check when a racing run republished the same key)."""
-    return {"data": data.only("tokenizer", "prompts_train.jsonl", "prompts_eval.jsonl", "ptx_train.jsonl"),
-            "sft": sft.only("adapter"), "rm": rm.only("model.safetensors", "config.json")}
+    worker's check when a racing run republished the same key). No reward model when the config
+    needs none (``PPOConfig.needs_reward_model``)."""
+    parts = {"data": data.only("tokenizer", "prompts_train.jsonl", "prompts_eval.jsonl", "ptx_train.jsonl"), "sft": sft.only("adapter")}
+    return parts | ({"rm": rm.only("model.safetensors", "config.json")} if rm is not None else {})
 
 
-def ppo_key(cfg: PPOConfig, model: ModelConfig, data: ArtifactRef, sft: ArtifactRef, rm: ArtifactRef, seed: int) -> str:
-    return stage_key("ppo", {"ppo": cfg, "model": model.identity(), "seed": _seed(cfg, seed)}, read_parts(data, sft, rm),
-                     code_version(__name__))
+def ppo_key(cfg: PPOConfig, model: ModelConfig, data: ArtifactRef, sft: ArtifactRef, rm: ArtifactRef | None, seed: int) -> str:
+    from tasks.ppo.rewards import reward_code_version
+
+    check_reward_model(cfg, rm)
+    config = {"ppo": cfg, "model": model.identity(), "seed": _seed(cfg, seed)}
+    if code := reward_code_version(cfg):  # a reward function's source keys the stage
+        config["reward_code"] = code
+    return stage_key("ppo", config, read_parts(data, sft, rm), code_version(__name__))
+
+
+def check_reward_model(cfg: PPOConfig, rm: ArtifactRef | None) -> None:
+    if cfg.needs_reward_model and rm is None:
+        raise ValueError(f"ppo.advantage {cfg.advantage!r} with ppo.rewards kinds {[r.kind for r in cfg.rewards]} needs the reward "
+                         "model stage's artifact (the critic starts from it, or a term is kind 'model'); pass it, or use a "
+                         "critic-free advantage (grpo, rloo, reinforce_pp) with rewards of kind 'function' / 'http' only")
 
 
 def _seed(cfg: PPOConfig, seed: int) -> int:
@@ -53,14 +63,18 @@ def _seed(cfg: PPOConfig, seed: int) -> int:
 
 
 def check_ppo(cfg: PPOConfig) -> None:
-    """What the config alone cannot know: is the strategy's library here, does it have CUDA."""
+    """What the config alone cannot know: is the strategy's library here, does it have CUDA, do the
+    reward functions import with the right signature."""
+    from tasks.ppo.rewards import check_reward_sources
+
+    check_reward_sources(cfg)
     if cfg.strategy.startswith("colossalai"):
         # the exact imports the workers will run (a bare `import colossalai` passes without
         # galore_torch / bitsandbytes, which colossalai.nn.optimizer needs: issue 19)
         if (failure := import_failure(colossalai_imports())) is not None:
             raise ValueError(colossalai_problem(cfg.strategy, failure))
         # unset (None) GPUs are chosen later, for the GPUs there are; 0 written is CPU
-        if any(cfg.role(r).gpus_per_worker == 0 for r in LEARNERS) or cfg.device == "cpu":
+        if any(cfg.role(r).gpus_per_worker == 0 for r in cfg.learners) or cfg.device == "cpu":
             raise ValueError(
                 f"ppo.strategy {cfg.strategy!r} needs CUDA (on CPU ColossalAI 0.5's LowLevelZero optimizer asserts a "
                 "cuda/npu device, and HybridAdam, which Gemini requires, is a CUDA kernel): give ppo.actor and ppo.critic gpus_per_worker > 0, or use ppo.strategy 'ddp' / 'fsdp' on CPU"
@@ -113,7 +127,7 @@ class PromptSampler:
 
 
 def train_ppo(cfg: PPOConfig, model: ModelConfig, store: ArtifactStore, data: ArtifactRef, sft: ArtifactRef,
-              rm: ArtifactRef, seed: int, on_iteration: Callable[[int, dict], None] | None = None,
+              rm: ArtifactRef | None, seed: int, on_iteration: Callable[[int, dict], None] | None = None,
               *, key: str | None = None, force: bool = False, tracking: TrackingConfig | None = None) -> ArtifactRef:
     """PPO of the SFT policy against the reward model; returns the ``ppo_actor`` artifact.
 
@@ -134,13 +148,17 @@ def train_ppo(cfg: PPOConfig, model: ModelConfig, store: ArtifactStore, data: Ar
     data_dir = store.fetch(data)
     tokenizer = load_tokenizer(model, str(data_dir / "tokenizer"))
     stop_ids = resolve_stop_ids(cfg, model, tokenizer)
-    prompts = [r["prompt_ids"] for r in read_jsonl(data_dir / "prompts_train.jsonl")]
-    evals = [r["prompt_ids"] for r in read_jsonl(data_dir / "prompts_eval.jsonl")][: cfg.eval_prompts]
+    records = read_jsonl(data_dir / "prompts_train.jsonl")
+    eval_records = read_jsonl(data_dir / "prompts_eval.jsonl")[: cfg.eval_prompts]
+    prompts, evals = [r["prompt_ids"] for r in records], [r["prompt_ids"] for r in eval_records]
     if len(evals) < cfg.actor.num_workers:
         raise ValueError(f"prompts_eval has {len(evals)} prompts (ppo.eval_prompts {cfg.eval_prompts}) but ppo.actor.num_workers is "
                          f"{cfg.actor.num_workers}: every actor worker needs one; raise ppo.eval_prompts or data.eval_fraction")
     if cfg.ptx_coef > 0 and not read_jsonl(data_dir / "ptx_train.jsonl"):
         raise ValueError(f"ppo.ptx_coef ({cfg.ptx_coef}) > 0 but the dataset's ptx_train.jsonl is empty: set data.ptx_path or ppo.ptx_coef 0")
+    from tasks.ppo.rewards import probe_reward_sources
+
+    probe_reward_sources(cfg, records[0])  # a reward function that fails, or a server that is down: before any model loads
     if not ray.is_initialized():
         ray.init(address=os.environ.get("RAY_ADDRESS"))
     gpus = ray.cluster_resources().get("GPU", 0.0)
@@ -151,20 +169,20 @@ def train_ppo(cfg: PPOConfig, model: ModelConfig, store: ArtifactStore, data: Ar
     placement = placement_summary(cfg, gpus)
     log.info("ppo placement: %s", describe_placement(placement))
 
-    inputs = {"data": data, "sft": sft, "rm": rm}
+    inputs = {"data": data, "sft": sft, **({"rm": rm} if rm is not None else {})}
     config = {"ppo": cfg.model_dump(mode="json"), "model": model.identity(), "seed": seed, "placement": placement}
     pgs, groups = create_placement_groups(cfg), {}
     tracker = Tracker("ppo", tracking, config, cfg.num_iterations)
     try:
         groups = start_roles(cfg, model, store, data, sft, rm, seed, tokenizer, pgs, stop_ids)
-        run = PPORun(cfg, groups, tokenizer, evals, model.is_builtin)
+        run = PPORun(cfg, groups, tokenizer, evals, model.is_builtin, eval_records)
         sampler = PromptSampler(len(prompts), seed)
         kl_ctl = _kl_controller(cfg)
         history: list[dict] = []
         start = 0
         if not force and (ckpt := latest_checkpoint(store, key)) is not None:
-            shards, driver = load_checkpoint(store, ckpt, {r: cfg.role(r).num_workers for r in LEARNERS})
-            ray.get([w.load_checkpoint.remote(store, shards[r][0], mine) for r in LEARNERS for w, mine in zip(groups[r].workers, shards[r])])
+            shards, driver = load_checkpoint(store, ckpt, {r: cfg.role(r).num_workers for r in cfg.learners})
+            ray.get([w.load_checkpoint.remote(store, shards[r][0], mine) for r in cfg.learners for w, mine in zip(groups[r].workers, shards[r])])
             start, history = driver["iteration"], driver["history"]
             sampler = PromptSampler(len(prompts), seed, **driver["sampler"])
             kl_ctl.load_state_dict(driver["kl"])
@@ -175,7 +193,8 @@ def train_ppo(cfg: PPOConfig, model: ModelConfig, store: ArtifactStore, data: Ar
             history.append(run.evaluate(0))
             _track(tracker, history, history[-1])
         for it in range(start + 1, cfg.num_iterations + 1):
-            metrics = run.iteration(it, [prompts[i] for i in sampler.next(cfg.rollout_batch_size)], kl_ctl)
+            picked = sampler.next(cfg.rollout_batch_size // cfg.n_samples_per_prompt)
+            metrics = run.iteration(it, [prompts[i] for i in picked], kl_ctl, [records[i] for i in picked])
             history.append(metrics)
             _track(tracker, history, metrics)
             if it % cfg.eval_every == 0 or it == cfg.num_iterations:
@@ -183,7 +202,7 @@ def train_ppo(cfg: PPOConfig, model: ModelConfig, store: ArtifactStore, data: Ar
                 _track(tracker, history, history[-1])
             if it % cfg.checkpoint_every == 0 and it < cfg.num_iterations:
                 # each rank writes its shard to the store; the driver publishes the checkpoint over them
-                shards = {r: ray.get([w.save_checkpoint.remote(store, key, it) for w in groups[r].workers]) for r in LEARNERS}
+                shards = {r: ray.get([w.save_checkpoint.remote(store, key, it) for w in groups[r].workers]) for r in cfg.learners}
                 driver = {"sampler": sampler.state_dict(), "kl": kl_ctl.state_dict(), "history": history}
                 save_checkpoint(store, key, it, shards, driver, config, inputs)
             if on_iteration is not None:
@@ -215,8 +234,8 @@ def _track(tracker: Tracker, history: list[dict], rec: dict) -> None:
 def samples_markdown(first: dict, now: dict) -> str:
     """The held-out prompts with the first evaluation's responses (the SFT policy, iteration 0)
     and those of ``now``, side by side with their scores: a markdown table."""
-    cols = ["rm_score", "true_score"] if "true_score" in now["eval/samples"][0] else ["rm_score"]
-    names = " | ".join(["RM", "true"][:len(cols)])
+    cols = [c for c in ("rm_score", "reward", "true_score") if c in now["eval/samples"][0]]
+    names = " | ".join({"rm_score": "RM", "reward": "reward", "true_score": "true"}[c] for c in cols)
     rows = [f"| prompt | SFT policy (it {first['iteration']}) | {names} | policy (it {now['iteration']}) | {names} |",
             "|" + "---|" * (3 + 2 * len(cols))]
     for a, b in zip(first["eval/samples"], now["eval/samples"]):
@@ -250,7 +269,8 @@ def placement_summary(cfg: PPOConfig, gpus: float) -> dict:
 
     roles = {r: {"num_workers": cfg.role(r).num_workers, "gpus_per_worker": cfg.role(r).gpus_per_worker,
                  "cpus_per_worker": cfg.role(r).cpus_per_worker, "device": role_device(cfg, r)} for r in cfg.started_roles}
-    return {"cluster_gpus": gpus, "colocate": cfg.colocate, "reference": cfg.reference, "roles": roles}
+    return {"cluster_gpus": gpus, "colocate": cfg.colocate, "reference": cfg.reference, "roles": roles,
+            "reward_on_critic": cfg.reward_on_critic}
 
 
 def peak_memory(groups: dict[str, RoleGroup]) -> dict[str, float]:
@@ -270,7 +290,10 @@ def describe_placement(p: dict) -> str:
     roles = ", ".join(f"{r} {v['num_workers']}x({v['gpus_per_worker']:g} GPU, {v['cpus_per_worker']:g} CPU, {v['device']})"
                       for r, v in p["roles"].items())
     ref = "initial: the actor's base with a frozen SFT adapter" if p["reference"] == "shared" else "initial: its own group"
-    reward = "reward: the critic's base, adapter disabled" if "reward" not in p["roles"] else "reward: its own group"
+    reward = ("reward: its own group" if "reward" in p["roles"] else "reward: the critic's base, adapter disabled"
+              if p.get("reward_on_critic") else "reward: by code (Ray tasks)")
+    if "critic" not in p["roles"]:
+        reward += "; no critic (critic-free estimator)"
     return f"{roles}; colocate={p['colocate']}; {ref}; {reward}; cluster GPUs {p['cluster_gpus']:g}"
 
 
@@ -294,11 +317,11 @@ def start_roles(cfg, model, store, data, sft, rm, seed, tokenizer, pgs, stop_ids
     ray.get([ref for g in groups.values() for ref in g.connect()])
     # refs, not keys: every worker's fetch checks that the store holds the content PPO was keyed on
     parts = read_parts(data, sft, rm)
-    data, sft, rm = parts["data"], parts["sft"], parts["rm"]
+    data, sft, rm = parts["data"], parts["sft"], parts.get("rm")
     loads = [w.load.remote(model, store, sft, data, cfg, tokenizer.pad_token_id, stop_ids) for w in groups["actor"].workers]
     loads += [w.load.remote(model, store, sft, cfg) for w in (groups["initial"].workers if "initial" in groups else [])]
     loads += [w.load.remote(store, rm) for w in (groups["reward"].workers if "reward" in groups else [])]
-    loads += [w.load.remote(store, rm, cfg) for w in groups["critic"].workers]
+    loads += [w.load.remote(store, rm, cfg) for w in (groups["critic"].workers if "critic" in groups else [])]
     ray.get(loads)
     return groups
 
@@ -312,117 +335,11 @@ def stop_roles(groups: dict[str, RoleGroup], pgs: dict) -> None:
         remove_placement_group(pg)
 
 
-class PPORun:
-    """One PPO run's loop body and evaluation over its role groups."""
-
-    def __init__(self, cfg: PPOConfig, groups: dict[str, RoleGroup], tokenizer, evals: list, builtin: bool):
-        import ray
-
-        from tasks.ppo.roles import make_experience
-
-        self.cfg, self.g, self.tok, self.evals, self.builtin = cfg, groups, tokenizer, evals, builtin
-        # num_cpus=0: the roles' placement groups may hold every CPU; this short task must not wait
-        self.make_experience = ray.remote(make_experience)
-
-    def _score(self, rollouts: list) -> tuple[list, list, list]:
-        """(policy (logp, entropy), reference logp, reward score) refs, chunk j to worker j % n. The
-        reference is the `initial` group's, or with ``ppo.reference`` 'shared' the actor's; the score the
-        `reward` group's, or the critic's when it serves the reward model (``ppo.reward_model``)."""
-        g = self.g
-        reference, reward = g.get("initial", g["actor"]), g.get("reward", g["critic"])
-        return ([g["actor"].deal(j).logprobs.remote(r) for j, r in enumerate(rollouts)],
-                [reference.deal(j).reference_logprobs.remote(r) for j, r in enumerate(rollouts)],
-                [reward.deal(j).score.remote(r) for j, r in enumerate(rollouts)])
-
-    def iteration(self, it: int, prompts: list[list[int]], kl_ctl) -> dict:
-        import ray
-
-        cfg, g = self.cfg, self.g
-        actor, critic = g["actor"], g["critic"]
-        t0 = time.perf_counter()
-        # 1. prompts were sampled by the caller (seeded sampler, position checkpointed)
-        # 2. deal them to the actor workers; each returns its share as minibatch-sized rollout chunks
-        per = cfg.rollout_batch_size // len(actor)
-        k = per // cfg.train_batch_size
-        rollouts = []
-        for i, w in enumerate(actor.workers):
-            out = w.generate.options(num_returns=k).remote(prompts[i * per:(i + 1) * per], k)
-            rollouts += [out] if k == 1 else list(out)
-        # 3. the rollout refs go straight to the other roles (top-level args: Ray resolves them there)
-        policy, ref, score = self._score(rollouts)
-        values = [critic.deal(j).values.remote(r) for j, r in enumerate(rollouts)]
-        ray.wait(rollouts, num_returns=len(rollouts), fetch_local=False)
-        t_gen = time.perf_counter()
-        # 4. rewards, GAE, whitened advantages: in a Ray task, not on the driver
-        n = len(rollouts)
-        *exps, stats_ref = self.make_experience.options(num_cpus=0, num_returns=n + 1).remote(
-            cfg, kl_ctl.value, n, *rollouts, *policy, *ref, *values, *score)
-        stats = ray.get(stats_ref)
-        t_score = time.perf_counter()
-        # 5. deal experience round-robin to the learner ranks; actor and critic learn in parallel
-        a = [w.learn.remote(*exps[i::len(actor)]) for i, w in enumerate(actor.workers)]
-        c = [w.learn.remote(*exps[i::len(critic)]) for i, w in enumerate(critic.workers)]
-        a_stats, c_stats = ray.get(a), ray.get(c)
-        t_learn = time.perf_counter()
-        # 6. KL controller, on the per-sequence KL of this rollout
-        kl_coef = kl_ctl.value
-        kl_ctl.update(stats["kl"], cfg.rollout_batch_size)
-        # 7. metrics
-        learn = {k: sum(s[k] for s in a_stats) / len(a_stats) for k in a_stats[0]}
-        learn.update({k: sum(s[k] for s in c_stats) / len(c_stats) for k in c_stats[0]})
-        m = {"iteration": it, **{f"ppo/{k}": v for k, v in {**stats, **learn}.items()}, "ppo/kl_coef": kl_coef,
-             "time/generate_s": t_gen - t0, "time/score_s": t_score - t_gen, "time/learn_s": t_learn - t_score,
-             "time/iteration_s": t_learn - t0}
-        log.info("ppo %d/%d reward %.3f±%.3f kl %.3f entropy %.2f policy_loss %.4f value_loss %.4f clip %.3f len %.1f "
-                 "| gen %.2fs score %.2fs learn %.2fs", it, cfg.num_iterations, m["ppo/reward_mean"], m["ppo/reward_std"],
-                 m["ppo/kl"], m["ppo/entropy"], m["ppo/policy_loss"], m["ppo/value_loss"], m["ppo/clip_fraction"],
-                 m["ppo/response_length"], *(m[f"time/{p}_s"] for p in ("generate", "score", "learn")))
-        return m
-
-    def evaluate(self, it: int) -> dict:
-        """Mean RM score, KL to the initial policy (summed k1 per response) and, for the built-in
-        task, the ground-truth score, on prompts_eval; sampling from a fixed seed (or greedy)."""
-        import ray
-
-        t0 = time.perf_counter()
-        actor = self.g["actor"]
-        n = len(actor)
-        parts = [self.evals[i::n] for i in range(n)]
-        rollouts = [w.generate.remote(p, 1, self.cfg.eval_greedy, EVAL_SEED) for w, p in zip(actor.workers, parts)]
-        policy, ref, score = self._score(rollouts)
-        rollouts, policy, ref, score = ray.get(rollouts), ray.get(policy), ray.get(ref), ray.get(score)
-        mask = torch.cat([r.action_mask for r in rollouts])
-        kl = torch.cat([((lp - rl) * r.action_mask).sum(1) for r, (lp, _), rl in zip(rollouts, policy, ref)])
-        scores = torch.cat(score)
-        m = {"iteration": it, "eval/rm_score": float(scores.mean()), "eval/kl": float(kl.mean()),
-             "eval/response_length": float(mask.sum(1).mean())}
-        texts = self.responses(rollouts)
-        order = [p for part in parts for p in part]  # the prompts in the order of the responses
-        m["eval/samples"] = [{"prompt": self.tok.decode(order[j], skip_special_tokens=True), "response": texts[j],
-                              "rm_score": float(scores[j]), **({"true_score": score_response(texts[j])} if self.builtin else {})}
-                             for j in range(min(SAMPLES, len(texts)))]
-        if self.builtin:
-            m["eval/true_score"] = sum(map(score_response, texts)) / len(texts)
-            m["eval/sample"] = texts[0]
-        m["time/eval_s"] = time.perf_counter() - t0
-        log.info("ppo eval @%d: rm_score %.3f true_score %s kl %.3f | %r", it, m["eval/rm_score"],
-                 f"{m['eval/true_score']:.3f}" if self.builtin else "-", m["eval/kl"], m.get("eval/sample", ""))
-        return m
-
-    def responses(self, rollouts) -> list[str]:
-        out = []
-        for r in rollouts:
-            n = r.action_mask.shape[1]
-            for seq, mask in zip(r.sequences[:, -n:], r.action_mask.bool()):
-                out.append(self.tok.decode(seq[mask].tolist(), skip_special_tokens=True))
-        return out
-
-
 def _summary(history: list[dict]) -> dict:
-    evals = [h for h in history if "eval/rm_score" in h]
+    evals = [h for h in history if "eval/kl" in h]
     steps = [h for h in history if "ppo/reward_mean" in h]
     out = {}
-    for k in ("eval/rm_score", "eval/true_score", "eval/kl"):
+    for k in ("eval/rm_score", "eval/reward", "eval/true_score", "eval/kl"):
         if evals and k in evals[0]:
             out[f"{k}_before"], out[f"{k}_after"] = evals[0][k], evals[-1][k]
     if steps:
