@@ -172,9 +172,10 @@ def test_the_first_run_is_an_mlflow_run_with_a_nested_run_per_stage(store_uri, m
     (parent,) = client.search_runs([exp], filter_string=f"tags.`rlhf.store` = '{store_uri}'")
     assert parent.info.status == "FINISHED" and parent.data.params["ppo.num_iterations"] == "3"
     children = {r.info.run_name: r for r in client.search_runs([exp], filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'")}
-    assert set(children) == {"sft", "rm", "ppo"}  # data prep trains nothing
+    assert set(children) == {"data", "sft", "rm", "ppo"}  # data prep's from its manifest (tests/test_tracking.py: cached stages)
     for stage, run in children.items():
         assert run.info.status == "FINISHED" and run.data.tags["rlhf.artifact_uri"] == parent.data.tags[f"rlhf.artifact.{stage}"]
+        assert run.data.tags["rlhf.cached"] == "false"  # all built by this first run
     kl = client.get_metric_history(children["ppo"].info.run_id, "ppo/kl")
     assert sorted(m.step for m in kl) == [1, 2, 3]
 
