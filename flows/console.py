@@ -134,8 +134,9 @@ class _RayBar:
             self._send()
 
     def close(self) -> None:
-        self.state["closed"] = True
-        self._send()
+        if self.sent:  # no bar when this process heard no step (the ranks of a multi-worker stage log elsewhere)
+            self.state["closed"] = True
+            self._send()
 
     def _send(self) -> None:
         from ray.experimental.tqdm_ray import RAY_TQDM_MAGIC
