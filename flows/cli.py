@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
-import os
 import sys
 import time
 
@@ -98,13 +96,10 @@ def _load(args):
 
 def main(argv: list[str] | None = None) -> int:
     from flows.config import ConfigError
+    from flows.console import setup_cli
 
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    logging.getLogger("rlhf").setLevel(logging.INFO)
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # local Ray without a token file
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "rlhf")  # stage progress lines reach Prefect's logs
+    setup_cli(args.cmd)  # environment, console handler, progress bars or plain lines (flows/console.py)
     try:
         if args.cmd in ("ls", "export", "generate"):
             return _use(args)  # a bad --stage/--run/--out is a ValueError: exit 2 with the message

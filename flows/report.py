@@ -54,9 +54,11 @@ def publish_card(stage: str, store: ArtifactStore, ref: ArtifactRef) -> None:
     if stage in CURVES and "tensorboard" in ref.parts:
         png = curve_png(stage, store.fetch(ref.key) / "tensorboard")
         md += f"![{stage} curves](data:image/png;base64,{base64.b64encode(png).decode()})\n\n"
+    if stage == "ppo":  # the samples under the curves, before the long tables
+        md += _ppo_samples(store, ref)
     md += f"| metric | value |\n|---|---|\n{rows}\n"
     if stage == "ppo":
-        md += _ppo_tables(store, ref)
+        md += _ppo_iterations(store, ref)
     create_markdown_artifact(key=f"rlhf-{stage}", markdown=md, description=f"{stage} artifact {ref.uri}")
 
 
@@ -90,20 +92,27 @@ def curve_png(stage: str, logdir) -> bytes:
     return buf.getvalue()
 
 
-def _ppo_tables(store: ArtifactStore, ref: ArtifactRef) -> str:
+def _history(store: ArtifactStore, ref: ArtifactRef) -> list[dict]:
+    path = store.fetch(ref.key) / "metrics.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def _ppo_samples(store: ArtifactStore, ref: ArtifactRef) -> str:
     from tasks.ppo.train import samples_markdown
 
-    path = store.fetch(ref.key) / "metrics.jsonl"
-    history = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-    evals = [h for h in history if "eval/samples" in h]
-    out = ""
-    if evals:
-        out += f"\n### samples: held-out prompts, SFT policy vs the trained policy\n\n{samples_markdown(evals[0], evals[-1])}\n"
+    evals = [h for h in _history(store, ref) if "eval/samples" in h]
+    if not evals:
+        return ""
+    return f"### samples: held-out prompts, SFT policy vs the trained policy\n\n{samples_markdown(evals[0], evals[-1])}\n\n"
+
+
+def _ppo_iterations(store: ArtifactStore, ref: ArtifactRef) -> str:
+    history = _history(store, ref)
     lines = ["\n### per iteration\n", "| iteration | reward mean | KL | policy loss | eval RM score | eval true score |", "|---|---|---|---|---|---|"]
     for rec in history:
         lines.append(f"| {rec.get('iteration', '')} | {_fmt(rec.get('ppo/reward_mean'))} | {_fmt(rec.get('ppo/kl'))} | "
                      f"{_fmt(rec.get('ppo/policy_loss'))} | {_fmt(rec.get('eval/rm_score'))} | {_fmt(rec.get('eval/true_score'))} |")
-    return out + "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n"
 
 
 def _fmt(v) -> str:

@@ -85,26 +85,13 @@ def _inject_fault(stage: str) -> None:
             raise RuntimeError(f"injected fault in stage {stage!r} (RLHF_FAIL_ONCE)")
 
 
-def _progress_to_stderr() -> None:
-    """Stage progress lines (loggers ``rlhf.*``) on the Ray worker's stderr, which Ray forwards to
-    the driver's console: the step/loss/reward lines of a run are where the user runs it."""
-    lg = logging.getLogger("rlhf")
-    lg.setLevel(logging.INFO)
-    if not any(getattr(h, "_rlhf", False) for h in lg.handlers):
-        h = logging.StreamHandler()
-        h.setFormatter(logging.Formatter("%(asctime)s %(name)s %(message)s", "%H:%M:%S"))
-        h._rlhf = True
-        lg.addHandler(h)
-        lg.propagate = False
-
-
 def _run_stage(stage: str, fn, cfg: PipelineConfig, key: str, **inputs: ArtifactRef) -> dict:
-    _progress_to_stderr()
-    _inject_fault(stage)
-    store = open_store(cfg)
+    from flows.console import stage_console
     from flows.report import progress
 
-    with progress(stage):  # a Prefect progress artifact that follows the stage's steps
+    _inject_fault(stage)
+    store = open_store(cfg)
+    with stage_console(stage), progress(stage):  # console lines or bar; a Prefect progress artifact
         ref = fn(cfg, store, *inputs.values(), key=key, force=stage in cfg.refresh or "all" in cfg.refresh)
     get_run_logger().info("%s -> %s", stage, ref.uri)
     publish_prefect_artifact(stage, store, ref)

@@ -44,8 +44,11 @@ def project_modules() -> list[str]:
 
 
 def ray_init_kwargs(cfg: RayConfig) -> dict:
-    env = {k: os.environ[k] for k in _FORWARDED_ENV if k in os.environ}
-    kwargs: dict = {"runtime_env": {"env_vars": env}, "log_to_driver": True}
+    from flows.console import MODE_ENV, RUN_ENV
+
+    env = {k: os.environ[k] for k in (*_FORWARDED_ENV, *RUN_ENV, MODE_ENV) if k in os.environ}
+    # logging_level: no "Started a local Ray instance" line; Ray's warnings still print.
+    kwargs: dict = {"runtime_env": {"env_vars": env}, "log_to_driver": True, "logging_level": logging.WARNING}
     if ray_address(cfg) == "local":  # a local Ray: we size it; its workers see this checkout
         kwargs["num_cpus"] = cfg.num_cpus or max(8, os.cpu_count() or 1)
         if cfg.num_gpus is not None:

@@ -25,6 +25,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+# As `rlhf` sets it (flows/console.py RUN_ENV): stage functions called outside a flow log to rlhf.*
+# too, once a test's `main()` has made it a Prefect extra logger.
+os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
 
 
 def free_port() -> int:

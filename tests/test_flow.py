@@ -22,6 +22,7 @@ import pytest
 
 from storage.store import ArtifactRef, ArtifactStore
 from tests.conftest import free_port
+from tests.test_console import assert_quiet
 
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
@@ -83,6 +84,8 @@ def test_run_then_cached_rerun_then_only_downstream_reruns(store_uri, prefect_ap
     states = task_states()
     assert {s["state"] for s in states.values()} == {"Completed"}, states
     assert all(re.search(rf"rlhf: {s:5s} built ", p.stdout + p.stderr) for s in ("data", "sft", "rm", "ppo")), p.stderr
+    assert_quiet(p.stdout + p.stderr)  # no library notices for what we expect (tests/test_console.py)
+    assert re.search(r"\(sft pid=\d+\) \S+ rlhf\.sft sft step 10/30 ", p.stderr) and "\x1b[" not in p.stderr  # piped: plain lines
     store = ArtifactStore(store_uri)
     keys = store.list()
     assert {k.split("/")[0] for k in keys} >= {"data", "sft", "rm", "ppo"}, keys
@@ -102,7 +105,7 @@ def test_run_then_cached_rerun_then_only_downstream_reruns(store_uri, prefect_ap
     states = task_states()
     assert {n: s["state"] for n, s in states.items()} == {n: "Cached" for n in ("data", "sft", "rm", "ppo")}, states
     assert all(re.search(rf"rlhf: {s:5s} cached ", p.stdout + p.stderr) for s in ("data", "sft", "rm", "ppo")), p.stderr
-    assert "Started a local Ray instance" not in p.stdout + p.stderr  # every stage a hit: no Ray
+    assert "Ray: a private local Ray" not in p.stdout + p.stderr  # every stage a hit: no Ray
     print(f"\nfirst run {first:.1f}s, fully cached rerun {cached:.1f}s (wall, `rlhf run` incl. Prefect server + Ray start)")
     assert cached < first
 
@@ -169,9 +172,10 @@ def test_the_first_run_is_an_mlflow_run_with_a_nested_run_per_stage(store_uri, m
     (parent,) = client.search_runs([exp], filter_string=f"tags.`rlhf.store` = '{store_uri}'")
     assert parent.info.status == "FINISHED" and parent.data.params["ppo.num_iterations"] == "3"
     children = {r.info.run_name: r for r in client.search_runs([exp], filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'")}
-    assert set(children) == {"sft", "rm", "ppo"}  # data prep trains nothing
+    assert set(children) == {"data", "sft", "rm", "ppo"}  # data prep's from its manifest (tests/test_tracking.py: cached stages)
     for stage, run in children.items():
         assert run.info.status == "FINISHED" and run.data.tags["rlhf.artifact_uri"] == parent.data.tags[f"rlhf.artifact.{stage}"]
+        assert run.data.tags["rlhf.cached"] == "false"  # all built by this first run
     kl = client.get_metric_history(children["ppo"].info.run_id, "ppo/kl")
     assert sorted(m.step for m in kl) == [1, 2, 3]
 

@@ -13,7 +13,7 @@ import pytest
 
 from flows.config import load_config
 from storage.store import ArtifactStore
-from tasks.common.tracking import TrackingConfig, check_mlflow, flatten, run_pipeline_tracked
+from tasks.common.tracking import TrackingConfig, check_mlflow, flatten, run_pipeline_tracked, scalars
 from tasks.data.prepare import prepare_data
 from tasks.rm.train import train_reward_model
 from tasks.sft.train import train_sft
@@ -47,11 +47,13 @@ def test_mlflow_pipeline_run_with_a_nested_run_per_stage(mlflow_server, rlhf_cac
     assert {s: parent.data.tags[f"rlhf.artifact.{s}"] for s in refs} == {s: r.uri for s, r in refs.items()}
 
     children = {r.info.run_name: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
-    assert set(children) == {"sft", "rm"}
-    for stage in ("sft", "rm"):
+    assert set(children) == {"data", "sft", "rm"}  # data prep trains nothing: its run comes from its manifest
+    for stage in ("data", "sft", "rm"):
         run = children[stage]
         assert run.info.status == "FINISHED" and run.data.tags["rlhf.artifact_uri"] == refs[stage].uri
-        assert run.data.params[f"{stage}.max_steps"] == "6"
+        assert run.data.tags["rlhf.cached"] == "false" and run.data.tags["rlhf.stage"] == stage
+    assert children["sft"].data.params["sft.max_steps"] == children["rm"].data.params["rm.max_steps"] == "6"
+    assert children["data"].data.metrics["data/sft_train"] == store.manifest(refs["data"].key)["metrics"]["data/sft_train"]
     m = store.manifest(refs["sft"].key)["metrics"]
     evals = sorted(client.get_metric_history(children["sft"].info.run_id, "sft/eval_loss"), key=lambda e: e.step)
     expected = [[0, m["sft/eval_loss_start"]], *m["sft/eval_history"]]
@@ -60,6 +62,23 @@ def test_mlflow_pipeline_run_with_a_nested_run_per_stage(mlflow_server, rlhf_cac
     assert [e.step for e in sorted(client.get_metric_history(children["sft"].info.run_id, "sft/loss"), key=lambda e: e.step)] == list(range(1, 7))
     acc = client.get_metric_history(children["rm"].info.run_id, "rm/eval_accuracy")
     assert sorted(e.step for e in acc) == [0, 3, 6]
+
+    # The same pipeline again: every stage is cached, and each still gets its nested run, made
+    # from its manifest: the config as params, the manifest's metrics, the artifact URI, cached.
+    again = run_pipeline_tracked(cfg, stages)
+    assert again == refs
+    runs = client.search_runs([exp.experiment_id], order_by=["attributes.start_time DESC"])
+    (parent2,) = [r for r in runs if "mlflow.parentRunId" not in r.data.tags and r.info.run_id != parent.info.run_id]
+    cached = {r.info.run_name: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent2.info.run_id}
+    assert set(cached) == {"data", "sft", "rm"}
+    for stage, run in cached.items():
+        m = store.manifest(refs[stage].key)
+        assert run.info.status == "FINISHED" and run.data.tags["rlhf.cached"] == "true"
+        assert run.data.tags["rlhf.artifact_uri"] == refs[stage].uri == parent2.data.tags[f"rlhf.artifact.{stage}"]
+        assert run.data.params == flatten(m["config"]) and run.data.metrics == pytest.approx(scalars(m["metrics"]))
+    assert cached["sft"].data.params["sft.max_steps"] == children["sft"].data.params["sft.max_steps"]  # same names as a trained run
+    assert cached["sft"].data.metrics["sft/eval_loss"] == pytest.approx(m_sft := store.manifest(refs["sft"].key)["metrics"]["sft/eval_loss"])
+    assert children["sft"].data.metrics["sft/eval_loss"] == pytest.approx(m_sft)
 
 
 def test_unreachable_mlflow_server_is_a_config_error_in_seconds():

@@ -7,12 +7,18 @@ are plain ``from_pretrained`` calls; the built-in model is first materialised to
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from tasks.common.builtin import BUILTIN_PREFIX, builtin_dir
+
+# PEFT 0.21 reads `model.is_gradient_checkpointing`, which transformers 5 deprecates: a notice from
+# one library about the other, on every LoRA wrap, that no user of ours can act on. Every process
+# that builds a model imports this module.
+warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
 
 
 class ModelConfig(BaseModel):

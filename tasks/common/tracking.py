@@ -17,6 +17,7 @@ import shutil
 import tempfile
 import time
 from contextlib import contextmanager
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
@@ -30,7 +31,7 @@ class TrackingConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     tensorboard: bool = Field(True, description="Write TensorBoard event files into each training stage's artifact (tensorboard/).")
-    mlflow_uri: str | None = Field(None, description="MLflow tracking URI (http://127.0.0.1:5000, a databricks URI, ...). Set: one MLflow run per pipeline run, a nested run per stage that trains.")
+    mlflow_uri: str | None = Field(None, description="MLflow tracking URI (http://127.0.0.1:5000, a databricks URI, ...). Set: one MLflow run per pipeline run, a nested run per stage (cached ones too, from their manifests).")
     mlflow_experiment: str = Field("rlhf", description="MLflow experiment the runs go to (created when missing).")
     mlflow_parent_run_id: str | None = Field(None, description="MLflow run the stages' runs nest under. The flow sets it to the pipeline run it opens; set it yourself to nest a stage called on its own.")
 
@@ -68,13 +69,17 @@ def check_mlflow(cfg: TrackingConfig) -> None:
                          "(mlflow server --host 127.0.0.1 --port 5000) or leave tracking.mlflow_uri unset") from None
 
 
+def _client(cfg: TrackingConfig):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=cfg.mlflow_uri)
+
+
 class MlflowRun:
     """One MLflow run driven through ``MlflowClient`` (no global state: safe in Ray workers)."""
 
     def __init__(self, cfg: TrackingConfig, name: str, params: Mapping[str, str], tags: Mapping[str, str] | None = None):
-        from mlflow.tracking import MlflowClient
-
-        self.client = MlflowClient(tracking_uri=cfg.mlflow_uri)
+        self.client = _client(cfg)
         exp = self.client.get_experiment_by_name(cfg.mlflow_experiment)
         exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(cfg.mlflow_experiment)
         tags = {"mlflow.runName": name, **(tags or {})}
@@ -131,7 +136,7 @@ class Tracker:
 
             self._tb = SummaryWriter(str(self.dir / TB_DIR), flush_secs=10)
         if active and cfg.mlflow_uri:
-            self._mlflow = MlflowRun(cfg, stage, flatten(params or {}), {"rlhf.stage": stage})
+            self._mlflow = MlflowRun(cfg, stage, flatten(params or {}), {"rlhf.stage": stage, "rlhf.cached": "false"})
 
     def __enter__(self) -> "Tracker":
         return self
@@ -227,12 +232,39 @@ def run_pipeline_tracked(cfg, run_stages: Callable[[Any], dict]) -> dict:
     if not cfg.tracking.mlflow_uri:
         return run_stages(cfg)
     check_mlflow(cfg.tracking)
+    started = datetime.now(timezone.utc)
     parent = MlflowRun(cfg.tracking, "rlhf", flatten(cfg.model_dump(mode="json")), {"rlhf.store": cfg.store.uri})
     tracking = cfg.tracking.model_copy(update={"mlflow_parent_run_id": parent.run_id})
     try:
         refs = run_stages(cfg.model_copy(update={"tracking": tracking}))
+        record_untracked_stages(cfg, tracking, refs, started)
     except BaseException:
         parent.end("FAILED")
         raise
     parent.end("FINISHED", {f"rlhf.artifact.{stage}": ref.uri for stage, ref in refs.items()})
     return refs
+
+
+def record_untracked_stages(cfg, tracking: TrackingConfig, refs: Mapping[str, Any], started: datetime) -> None:
+    """A nested run, from its manifest, for every stage that made none in this pipeline run: a
+    cached stage (its artifact was created before ``started``: tag ``rlhf.cached`` true) and data
+    prep, which does not train. Params are the manifest's config, metrics its scalars (step 0),
+    the same names a trained stage's run has; a trained stage's run is tagged ``rlhf.cached`` false."""
+    from storage.store import ArtifactStore
+
+    client = _client(tracking)
+    exp = client.get_experiment_by_name(tracking.mlflow_experiment)
+    tracked = {r.data.tags.get("rlhf.stage") for r in client.search_runs(
+        [exp.experiment_id], f"tags.mlflow.parentRunId = '{tracking.mlflow_parent_run_id}'")}
+    store = ArtifactStore(cfg.store.resolved_uri(), cfg.store.storage_options)
+    for stage, ref in refs.items():
+        if stage in tracked:
+            continue
+        m = store.manifest(ref.key)
+        created = datetime.strptime(m["created_at"], "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=timezone.utc)
+        cached = created < started
+        run = MlflowRun(tracking, stage, flatten(m["config"]), {"rlhf.stage": stage, "rlhf.cached": str(cached).lower(),
+                                                                "rlhf.artifact_created_at": m["created_at"]})
+        run.log(0, scalars(m["metrics"]))
+        run.end("FINISHED", {"rlhf.artifact_uri": ref.uri})
+

@@ -273,7 +273,8 @@ class PolicyWorker(_LearnerMixin, DistributedWorker):
         if self.rank != 0:
             return None
         with tempfile.TemporaryDirectory() as tmp:
-            self.infer_model.save_pretrained(tmp, state_dict=weights, selected_adapters=["default"])
+            # the base weights stay untouched (as in SFT's adapter): no embedding copy
+            self.infer_model.save_pretrained(tmp, state_dict=weights, selected_adapters=["default"], save_embedding_layers=False)
             return {p.name: p.read_bytes() for p in Path(tmp).iterdir() if p.is_file()}
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 import math
 import shutil
 from pathlib import Path
@@ -70,6 +71,11 @@ class RewardModel(nn.Module):
         return self.values(input_ids, attention_mask, head).gather(1, idx[:, None]).squeeze(1)
 
 
+class _LoadReport(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "LOAD REPORT" not in str(record.msg)
+
+
 def build_reward_model(model_cfg, device: str = "cpu", lora=None) -> RewardModel:
     """A fresh reward model on ``model_cfg``'s pretrained body; ``lora`` (a LoraConfig) wraps the body."""
     from transformers import AutoModel
@@ -80,8 +86,21 @@ def build_reward_model(model_cfg, device: str = "cpu", lora=None) -> RewardModel
     # CUDA): AdamW on bf16 parameters loses small updates. With LoRA the frozen body is bf16 on
     # CUDA; PEFT keeps the adapter weights (and so their optimizer state) in fp32.
     dtype = torch.float32 if model_cfg.dtype == "auto" and lora is None else torch_dtype(model_cfg, device)
-    body = AutoModel.from_pretrained(model_cfg.path(), revision=model_cfg.revision, dtype=dtype,
-                                     trust_remote_code=model_cfg.trust_remote_code)
+    # The body comes from a causal LM's checkpoint, so its LM head is left over by design, and
+    # transformers prints a load-report table saying so on every load. Its report is held back;
+    # anything else it would have reported becomes our warning (errors still raise in transformers).
+    report = logging.getLogger("transformers.modeling_utils")
+    hold_back = _LoadReport()
+    report.addFilter(hold_back)
+    try:
+        body, info = AutoModel.from_pretrained(model_cfg.path(), revision=model_cfg.revision, dtype=dtype,
+                                               trust_remote_code=model_cfg.trust_remote_code, output_loading_info=True)
+    finally:
+        report.removeFilter(hold_back)
+    unexpected = sorted(k for k in info["unexpected_keys"] if k.split(".")[0] != "lm_head")
+    if info["missing_keys"] or unexpected:
+        logging.getLogger("rlhf.rm").warning("reward model body from %s: missing weights %s, unexpected weights %s",
+                                             model_cfg.path(), sorted(info["missing_keys"]), unexpected)
     if lora is not None:
         from peft import get_peft_model
 
