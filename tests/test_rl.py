@@ -144,7 +144,7 @@ def test_rloo_with_a_weighted_sum_of_functions_reading_metadata(stages):
 @pytest.mark.slow
 def test_reinforce_pp_with_an_http_reward_server(stages, reward_server):
     """REINFORCE++ (one response per prompt, batch-whitened returns), 15 iterations, the rule served
-    over HTTP by a real server thread. Measured (function reward, 10 iterations): -0.133 -> 0.867."""
+    over HTTP by a real server thread. Measured: true score -0.133 -> 0.911, KL 2.9."""
     store, data, sft, _ = stages
     cfg = PPOConfig(advantage="reinforce_pp", num_iterations=15, eval_every=5,
                     rewards=[{"kind": "http", "url": reward_server(), "version": "rule-v1", "timeout_s": 10}])
