@@ -89,7 +89,7 @@ class PPOConfig(BaseModel):
     max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient norm clip of both learners.")
     eps_clip: float = Field(0.2, gt=0.0, description="PPO ratio clip (seed 0.2).")
     value_clip: float | None = Field(0.4, gt=0.0, description="Value clip around the rollout's values (seed 0.4); None: unclipped.")
-    gamma: float = Field(1.0, ge=0.0, le=1.0, description="Discount of GAE.")
+    gamma: float = Field(1.0, ge=0.0, le=1.0, description="Discount of GAE and of the critic-free estimators' returns-to-go.")
     lam: float = Field(0.95, ge=0.0, le=1.0, description="GAE lambda (1.0 with gamma 1.0 gives the seed's reward - value).")
     whiten_advantages: bool | None = Field(None, description="Whiten advantages over the rollout batch. None: on for gae and reinforce_pp (REINFORCE++'s batch-whitened baseline), off for grpo and rloo (their baseline is the group's).")
 
