@@ -7,6 +7,7 @@
     rlhf ls [--set store.uri=...]                     # the store's artifacts: stage, key, inputs, created, metrics
     rlhf export --stage ppo [--run latest|KEY] --out DIR [--adapter-only]   # a Hugging Face model folder
     rlhf generate --stage ppo [--run latest|KEY] "prompt" ...              # sample from a stage's policy
+    rlhf server [stop]                               # the local Prefect server runs leave up (flows/server.py)
 """
 
 from __future__ import annotations
@@ -35,7 +36,26 @@ def _parser() -> argparse.ArgumentParser:
         if name == "serve":
             s.add_argument("--cron", help="cron schedule for retraining, e.g. '0 3 * * 0'")
     _use_parsers(sub)
+    s = sub.add_parser("server", help="where the local Prefect server that runs reuse is; `stop` stops it (flows/server.py)")
+    s.add_argument("action", nargs="?", choices=["status", "stop"], default="status")
     return p
+
+
+def _server(action: str) -> int:
+    from flows.server import healthy, prefect_home, read_record, stop
+
+    home = prefect_home()
+    rec = read_record(home)
+    if action == "stop":
+        rec = stop(home, on_wait=lambda: print("rlhf: waiting for the runs using the server to finish"))
+        print(f"rlhf: stopped the local Prefect server at {rec['api']}" if rec else f"rlhf: no local Prefect server ({home})")
+        return 0
+    if rec is None:
+        print(f"rlhf: no local Prefect server ({home}); the next `rlhf run` starts one")
+        return 0
+    print(f"rlhf: local Prefect server at {rec['api']} ({'answering' if healthy(rec['api']) else 'NOT answering'}; "
+          f"watchdog pid {rec['pid']}, stops after {rec['idle_s']:g} s unused)")
+    return 0
 
 
 def _use_parsers(sub) -> None:
@@ -100,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     from flows.config import ConfigError
 
     args = _parser().parse_args(argv)
+    if args.cmd == "server":
+        return _server(args.action)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("rlhf").setLevel(logging.INFO)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # local Ray without a token file
@@ -126,12 +148,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"rlhf: {e}", file=sys.stderr)
         return 2
-    from flows.runtime import LocalPrefectServer
+    from flows.server import LocalPrefectServer
 
     # The server first: Prefect reads PREFECT_API_URL when it is imported.
     with LocalPrefectServer() as server:
         if server.api:
-            print(f"rlhf: local Prefect server at {server.api} (set PREFECT_API_URL to use your own)")
+            print(f"rlhf: local Prefect server at {server.api} ({'started; ' if server.started else ''}"
+                  "stays up for the UI and the next run, `rlhf server stop` stops it; set PREFECT_API_URL to use your own)")
         from flows.rlhf import rlhf
 
         if args.cmd == "serve":

@@ -17,7 +17,6 @@ from typing import Callable
 
 import torch
 
-from storage.keys import code_version, stage_key
 from storage.store import ArtifactRef, ArtifactStore
 from tasks.common.builtin import score_response
 from tasks.common.model import ModelConfig, check_model_exists, load_tokenizer, model_stop_ids
@@ -26,29 +25,13 @@ from tasks.data.dataset import read_jsonl
 from tasks.ppo.checkpoint import latest_checkpoint, load_checkpoint, publish_final, save_checkpoint
 from tasks.ppo.config import LEARNERS, PPOConfig, check_gpu_fit, resolve_placement
 from tasks.ppo.fast_generate import check_fast_generate
+from tasks.ppo.key import ppo_key, ppo_seed, read_parts
 from tasks.ppo.group import RoleGroup, check_cluster, create_placement_groups, role_bundles, role_device
 
 log = logging.getLogger("rlhf.ppo")
 EVAL_SEED = 20240601
 SAMPLES = 4  # held-out prompts whose responses each evaluation keeps (``eval/samples``)
 METRICS = ("reward_mean", "reward_std", "kl", "entropy", "policy_loss", "value_loss", "clip_fraction", "response_length")
-
-
-def read_parts(data: ArtifactRef, sft: ArtifactRef, rm: ArtifactRef) -> dict[str, ArtifactRef]:
-    """The inputs narrowed to the parts PPO reads: what it keys on, and what its workers check
-    they fetched (TensorBoard's event files, with wall times, must neither re-key PPO nor fail a
-    worker's check when a racing run republished the same key)."""
-    return {"data": data.only("tokenizer", "prompts_train.jsonl", "prompts_eval.jsonl", "ptx_train.jsonl"),
-            "sft": sft.only("adapter"), "rm": rm.only("model.safetensors", "config.json")}
-
-
-def ppo_key(cfg: PPOConfig, model: ModelConfig, data: ArtifactRef, sft: ArtifactRef, rm: ArtifactRef, seed: int) -> str:
-    return stage_key("ppo", {"ppo": cfg, "model": model.identity(), "seed": _seed(cfg, seed)}, read_parts(data, sft, rm),
-                     code_version(__name__))
-
-
-def _seed(cfg: PPOConfig, seed: int) -> int:
-    return cfg.seed if cfg.seed is not None else seed
 
 
 def check_ppo(cfg: PPOConfig) -> None:
@@ -129,7 +112,7 @@ def train_ppo(cfg: PPOConfig, model: ModelConfig, store: ArtifactStore, data: Ar
     key = key or ppo_key(cfg, model, data, sft, rm, seed)
     if not force and store.is_good(key):  # a damaged artifact is rebuilt
         return store.ref(key)
-    seed = _seed(cfg, seed)
+    seed = ppo_seed(cfg, seed)
     check_ppo(cfg)
     check_model_exists(model)
     check_fast_generate(cfg.fast_generate, cfg.strategy, model)
