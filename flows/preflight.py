@@ -99,7 +99,7 @@ def check_tokenizer(cfg: PipelineConfig) -> None:
 
 def check_lora_targets(cfg: PipelineConfig) -> None:
     """LoRA target names against a weightless (meta-device) skeleton of the model."""
-    from tasks.sft.lora import model_skeleton, resolve_target_modules
+    from tasks.common.lora import model_skeleton, resolve_target_modules
 
     resolve_target_modules(cfg.sft.target_modules, model_skeleton(cfg.model), builtin=cfg.model.is_builtin, field="sft.target_modules")
     if cfg.rm.lora_rank > 0:

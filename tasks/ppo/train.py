@@ -218,7 +218,7 @@ def check_ppo_memory(cfg: PPOConfig, model: ModelConfig, gpus: float) -> dict[st
     the nodes' GPUs)."""
     from tasks.ppo.config import check_gpu_memory, weight_memory_gib
     from tasks.ppo.fast_generate import fast_generate_applies
-    from tasks.sft.lora import model_skeleton
+    from tasks.common.lora import model_skeleton
 
     if not torch.cuda.is_available() or not any(cfg.role(r).gpus_per_worker for r in cfg.started_roles):
         return {}

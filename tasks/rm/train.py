@@ -22,7 +22,7 @@ from tasks.rm.loss import pairwise_loss
 from tasks.rm.model import build_reward_model, save_reward_model
 from tasks.common import loop
 from tasks.common.tracking import Tracker, TrackingConfig
-from tasks.sft.lora import lora_config, model_skeleton, resolve_target_modules
+from tasks.common.lora import lora_config, model_skeleton, resolve_target_modules
 
 logger = logging.getLogger("rlhf.rm")
 

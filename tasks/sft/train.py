@@ -29,7 +29,7 @@ from tasks.common import loop
 from tasks.common.tracking import Tracker, TrackingConfig
 from tasks.sft.config import SFTConfig
 from tasks.sft.key import sft_key
-from tasks.sft.lora import lora_config, model_skeleton, resolve_target_modules
+from tasks.common.lora import lora_config, model_skeleton, resolve_target_modules, save_adapter
 from tasks.sft.loss import IGNORE_INDEX, causal_lm_loss
 
 logger = logging.getLogger("rlhf.sft")
@@ -232,7 +232,7 @@ def evaluate(model, records: list[dict], pad_id: int, batch_size: int, device: s
 
 def _save(model, tokenizer_dir: Path, opt, sched, state: dict, rng: list, spe: int, out: Path) -> None:
     # The base weights stay untouched, so an lm_head target need not copy the embedding into the adapter.
-    model.save_pretrained(str(out / "adapter"), save_embedding_layers=False)
+    save_adapter(model, out / "adapter", save_embedding_layers=False)
     shutil.copytree(tokenizer_dir, out / "tokenizer")
     epoch, position = divmod(state["step"], spe)
     torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "step": state["step"],
