@@ -228,6 +228,14 @@ def test_deployment_full_runs_on_a_process_worker_one_run_at_a_time(prefect_api,
         assert second["start"] >= first["end"], runs  # no overlap
         assert "AwaitingConcurrencySlot" in second["states"], runs  # it waited for the slot
         assert {t["state"] for t in task_states().values()} == {"Cached"}, task_states()  # then found it all built
+        # A run that fails (RM, forced, fails once), retried through the API as the UI's Retry does
+        # (its state set to Scheduled): the retry reuses every finished stage. The RM it rebuilds has
+        # the same weights (reproducible builds), so PPO, keyed on them, is Cached too.
+        retried = asyncio.run(_fail_then_retry("rlhf/full", tmp_path / "rm-failed-once", timeout=600))
+        log = (tmp_path / "worker.log").read_text()
+        assert retried == ["Failed", "Completed"], f"{retried}\nworker:\n{log[-4000:]}"
+        states = {stage: t["state"] for stage, t in task_states().items()}
+        assert states == {"data": "Cached", "sft": "Cached", "rm": "Completed", "ppo": "Cached"}, states
     finally:
         os.killpg(worker.pid, signal.SIGINT)
         try:
@@ -239,6 +247,31 @@ def test_deployment_full_runs_on_a_process_worker_one_run_at_a_time(prefect_api,
     assert len(ppo) == 1 and store.manifest(ppo[0])["kind"] == "ppo_actor"
     sched, limit = asyncio.run(_deployment_schedule("rlhf/full"))
     assert sched == ["0 3 * * 0"] and limit == (1, "ENQUEUE"), (sched, limit)
+
+
+async def _fail_then_retry(name: str, marker: Path, timeout: float) -> list[str]:
+    from prefect.client.orchestration import get_client
+    from prefect.states import Scheduled
+
+    async with get_client() as c:
+        d = await c.read_deployment_by_name(name)
+        config = {**d.parameters["config"], "refresh": ["rm"]}
+        config["resources"] = {**config.get("resources", {}), "rm": {**config.get("resources", {}).get("rm", {}), "retries": 0}}
+        run = await c.create_flow_run_from_deployment(d.id, parameters={"config": config},
+                                                      job_variables={"env": {"RLHF_FAIL_ONCE": f"rm:{marker}"}})
+        finals = []
+        for attempt in range(2):
+            deadline = time.time() + timeout
+            while time.time() < deadline:
+                r = await c.read_flow_run(run.id)
+                if r.state and r.state.is_final():
+                    break
+                await asyncio.sleep(2)
+            finals.append(r.state.name)
+            if attempt == 0:
+                await c.set_flow_run_state(run.id, Scheduled(), force=True)  # the UI's Retry
+                await asyncio.sleep(1)
+        return finals
 
 
 async def _run_deployment_twice(name: str, timeout: float) -> list[dict]:
