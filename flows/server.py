@@ -64,9 +64,14 @@ def read_record(home: Path) -> dict | None:
     try:
         rec = json.loads(_paths(home)["record"].read_text())
         os.kill(rec["pid"], 0)
-        return rec
     except (OSError, ValueError, KeyError, TypeError):
         return None
+    try:  # a dead watchdog's pid may have been reused: only ours is ever signalled
+        if b"flows.server" not in Path(f"/proc/{rec['pid']}/cmdline").read_bytes():
+            return None
+    except OSError:
+        pass  # no /proc (not Linux): trust the pid
+    return rec
 
 
 def _free_port() -> int:
@@ -99,8 +104,7 @@ class LocalPrefectServer:
         with _lock(paths["start"], fcntl.LOCK_EX):
             rec = read_record(home)
             if rec is None or not healthy(rec["api"]):
-                if rec is not None:
-                    _kill_group(rec["pid"])  # a watchdog whose server does not answer
+                # (a watchdog whose server hangs is left to stop it once idle; the new record is not its)
                 rec, self.started = self._start(home, idle_s), True
         self.api = rec["api"]
         os.environ["PREFECT_API_URL"] = self.api
