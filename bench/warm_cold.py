@@ -2,9 +2,11 @@
 
     .venv/bin/python bench/warm_cold.py [--runs 5] [--cold-runs 5] [--out bench/results/warm_cold.json] [--set k=v ...]
 
-Each cold run gets a fresh store; the warm runs reuse the last cold run's store (and its Prefect
-database: the CLI's own local server, under a private PREFECT_HOME). Reported: every run's wall
-seconds and the medians. The default config is the tests' small one (tests/test_flow.py SMALL).
+Each cold run gets a fresh store; the warm runs reuse the last cold run's store and the Prefect
+server the runs leave up (flows/server.py, under a private PREFECT_HOME; the first cold run starts
+it). Then the server is stopped and one more warm run starts it again, as the first run after the
+server idled out would (``warm_server_start_s``). Reported: every run's wall seconds and the
+medians. The default config is the tests' small one (tests/test_flow.py SMALL).
 """
 
 from __future__ import annotations
@@ -53,9 +55,17 @@ def main(argv=None) -> int:
                    PREFECT_SERVER_ANALYTICS_ENABLED="false")
         print("cold (empty store):")
         cold = [run(Path(tmp) / f"store{i}", sets, env) for i in range(a.cold_runs)]
-        print("warm (every stage cached):")
-        warm = [run(Path(tmp) / f"store{a.cold_runs - 1}", sets, env) for _ in range(a.runs)]
-    result = {"cpus": os.cpu_count(), "config": sets, "cold_s": cold, "warm_s": warm,
+        rlhf = str(Path(sys.executable).parent / "rlhf")
+        try:
+            print("warm (every stage cached):")
+            warm = [run(Path(tmp) / f"store{a.cold_runs - 1}", sets, env) for _ in range(a.runs)]
+            subprocess.run([rlhf, "server", "stop"], env=env, check=True, capture_output=True)
+            print("warm, the server stopped first (the run starts it):")
+            warm_server_start = run(Path(tmp) / f"store{a.cold_runs - 1}", sets, env)
+        finally:
+            subprocess.run([rlhf, "server", "stop"], env=env, capture_output=True)
+    result = {"cpus": os.cpu_count(), "load_avg_1m_at_end": os.getloadavg()[0], "config": sets, "cold_s": cold,
+              "warm_s": warm, "warm_server_start_s": warm_server_start,
               "cold_median_s": statistics.median(cold), "warm_median_s": statistics.median(warm)}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=1) + "\n")

@@ -4,9 +4,11 @@
     rlhf config [--config FILE.yaml] [--set ...]     # the resolved config as YAML
     rlhf serve [--cron "0 3 * * 0"] [--config ...]   # deployment rlhf/full, served from this process
     rlhf verify [--config ...]                       # re-hash every artifact in the store against its manifest
+    rlhf gc [--yes] [--grace-s 3600] [--config ...]  # unreferenced data folders, checkpoints of finished runs (dry run)
     rlhf ls [--set store.uri=...]                     # the store's artifacts: stage, key, inputs, created, metrics
     rlhf export --stage ppo [--run latest|KEY] --out DIR [--adapter-only]   # a Hugging Face model folder
     rlhf generate --stage ppo [--run latest|KEY] "prompt" ...              # sample from a stage's policy
+    rlhf server [stop]                               # the local Prefect server runs leave up (flows/server.py)
 """
 
 from __future__ import annotations
@@ -25,15 +27,39 @@ def _parser() -> argparse.ArgumentParser:
     for name, helptext in (("run", "run the pipeline now (local Prefect server and local Ray unless configured)"),
                            ("config", "print the resolved config as YAML"),
                            ("serve", "serve deployment rlhf/full (optionally on a cron schedule) from this process"),
-                           ("verify", "re-hash every artifact in the store against its manifest (a cached run checks sizes only)")):
+                           ("verify", "re-hash every artifact in the store against its manifest (a cached run checks sizes only)"),
+                           ("gc", "list (or with --yes delete) unreferenced data folders and checkpoints of finished runs")):
         s = sub.add_parser(name, help=helptext)
         s.add_argument("--config", help="YAML file with any of the sections seed, store, ray, model, data, sft, rm, ppo, resources")
         s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one value, e.g. --set sft.lr=1e-4 (repeatable)")
         s.add_argument("--refresh", action="append", default=[], metavar="STAGE", help="rebuild this stage even if cached (data, sft, rm, ppo, all)")
         if name == "serve":
             s.add_argument("--cron", help="cron schedule for retraining, e.g. '0 3 * * 0'")
+        if name == "gc":
+            s.add_argument("--yes", action="store_true", help="delete (default: a dry run that prints what would go)")
+            s.add_argument("--grace-s", type=float, default=3600.0,
+                           help="keep anything written or superseded in the last N seconds (default 3600; longer than any publish)")
     _use_parsers(sub)
+    s = sub.add_parser("server", help="where the local Prefect server that runs reuse is; `stop` stops it (flows/server.py)")
+    s.add_argument("action", nargs="?", choices=["status", "stop"], default="status")
     return p
+
+
+def _server(action: str) -> int:
+    from flows.server import healthy, prefect_home, read_record, stop
+
+    home = prefect_home()
+    rec = read_record(home)
+    if action == "stop":
+        rec = stop(home, on_wait=lambda: print("rlhf: waiting for the runs using the server to finish"))
+        print(f"rlhf: stopped the local Prefect server at {rec['api']}" if rec else f"rlhf: no local Prefect server ({home})")
+        return 0
+    if rec is None:
+        print(f"rlhf: no local Prefect server ({home}); the next `rlhf run` starts one")
+        return 0
+    print(f"rlhf: local Prefect server at {rec['api']} ({'answering' if healthy(rec['api']) else 'NOT answering'}; "
+          f"watchdog pid {rec['pid']}, stops after {rec['idle_s']:g} s unused)")
+    return 0
 
 
 def _use_parsers(sub) -> None:
@@ -99,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     from flows.console import setup_cli
 
     args = _parser().parse_args(argv)
+    if args.cmd == "server":
+        return _server(args.action)
     setup_cli(args.cmd)  # environment, console handler, progress bars or plain lines (flows/console.py)
     try:
         if args.cmd in ("ls", "export", "generate"):
@@ -115,18 +143,21 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.cmd == "verify":
             return _verify(cfg)
+        if args.cmd == "gc":
+            return _gc(cfg, args.yes, args.grace_s)
         from flows.preflight import preflight
 
         preflight(cfg)
     except ConfigError as e:
         print(f"rlhf: {e}", file=sys.stderr)
         return 2
-    from flows.runtime import LocalPrefectServer
+    from flows.server import LocalPrefectServer
 
     # The server first: Prefect reads PREFECT_API_URL when it is imported.
     with LocalPrefectServer() as server:
         if server.api:
-            print(f"rlhf: local Prefect server at {server.api} (set PREFECT_API_URL to use your own)")
+            print(f"rlhf: local Prefect server at {server.api} ({'started; ' if server.started else ''}"
+                  "stays up for the UI and the next run, `rlhf server stop` stops it; set PREFECT_API_URL to use your own)")
         from flows.rlhf import rlhf
 
         if args.cmd == "serve":
@@ -149,6 +180,24 @@ def _verify(cfg) -> int:
             print(f"CORRUPT  {e}")
     print(f"rlhf verify: {bad} of {len(store.list())} artifacts failed their checksums")
     return 1 if bad else 0
+
+
+def _gc(cfg, yes: bool, grace_s: float) -> int:
+    from storage.gc import collect, find_garbage
+    from storage.store import ArtifactStore
+
+    if grace_s < 0:
+        print(f"rlhf: gc --grace-s ({grace_s:g}): must be >= 0 seconds; the default 3600 keeps the last hour's writes", file=sys.stderr)
+        return 2
+    store = ArtifactStore(cfg.store.resolved_uri(), cfg.store.storage_options)
+    garbage = find_garbage(store, grace_s)
+    done = collect(store, garbage) if yes else garbage
+    for g in done:
+        print(f"{'deleted' if yes else 'would delete'}  {store.uri}/{g.path}  {g.nbytes} bytes  ({g.why})")
+    total = sum(g.nbytes for g in done)
+    print(f"rlhf gc: {'deleted' if yes else 'would delete'} {len(done)} folders, {total} bytes, in {store.uri}"
+          + ("" if yes or not done else "; run with --yes to delete them"))
+    return 0
 
 
 def _run(rlhf, cfg) -> int:

@@ -118,6 +118,8 @@ def local_gpus(ray: RayConfig) -> int | None:
         return None
     if ray.num_gpus is not None:
         return ray.num_gpus
+    if not any(next(Path("/dev").glob(p), None) for p in ("nvidia[0-9]*", "kfd", "dxg")):
+        return 0  # no NVIDIA, ROCm or WSL GPU device: torch would see none, and importing it costs seconds
     import torch
 
     return torch.cuda.device_count()

@@ -99,33 +99,56 @@ def check_tokenizer(cfg: PipelineConfig) -> None:
 
 def check_lora_targets(cfg: PipelineConfig) -> None:
     """LoRA target names against a weightless (meta-device) skeleton of the model."""
-    from tasks.sft.lora import model_skeleton, resolve_target_modules
+    from tasks.common.lora import model_skeleton, resolve_target_modules
 
     resolve_target_modules(cfg.sft.target_modules, model_skeleton(cfg.model), builtin=cfg.model.is_builtin, field="sft.target_modules")
     if cfg.rm.lora_rank > 0:
         resolve_target_modules(cfg.rm.target_modules, model_skeleton(cfg.model, body_only=True), field="rm.target_modules")
 
 
-_PASSED: set[str] = set()  # configs checked in this process: the CLI checks before it starts servers, the flow again
+_KEYS: dict[str, dict[str, str]] = {}  # config -> its known keys, once the input checks passed
+_BUILDS_CHECKED: set[str] = set()  # configs whose build checks passed too
 
 
-def preflight(cfg: PipelineConfig) -> None:
+def preflight(cfg: PipelineConfig) -> dict[str, str]:
+    """Every check that needs no model, before any server, Ray or model starts; returns the keys
+    known now (``flows.plan.known_keys``).
+
+    What a run reads is always checked: the store takes a write, every data source parses (its
+    content hash keys the data stage). What a build loads (Ray address, GPUs, strategy library,
+    model, tokenizer, LoRA targets) is checked only when a stage will build: when every stage is
+    a hit, an artifact was built at each key, from this same config and code, and nothing loads.
+    Memoised per process: the CLI checks before it starts the server, the flow again.
+    """
+    from flows.plan import all_hit, known_keys, open_store
     from tasks.common.model import check_model_exists
-
-    if (fingerprint := cfg.model_dump_json()) in _PASSED:
-        return
     from tasks.data.prepare import check_data
+
+    fingerprint = cfg.model_dump_json()
+    if fingerprint not in _KEYS:
+        _checked(lambda: check_store(cfg), lambda: check_data(cfg.data))
+        _KEYS[fingerprint] = _checked(lambda: known_keys(cfg, open_store(cfg)))
+    keys = _KEYS[fingerprint]
+    if fingerprint in _BUILDS_CHECKED or all_hit(cfg, open_store(cfg), keys):
+        return keys
     from tasks.ppo.rewards import check_reward_sources
     from tasks.ppo.train import check_ppo
 
-    for fn in (lambda: check_store(cfg), lambda: check_ray_address(ray_address(cfg.ray)), lambda: check_local_gpus(cfg),
-               lambda: check_ppo(cfg.ppo), lambda: check_model_exists(cfg.model), lambda: check_tokenizer(cfg),
-               lambda: check_data(cfg.data, cfg.model), lambda: check_lora_targets(cfg),
-               lambda: check_reward_sources(cfg.ppo, cfg.data.prompt_metadata)):
+    _checked(lambda: check_ray_address(ray_address(cfg.ray)), lambda: check_local_gpus(cfg), lambda: check_ppo(cfg.ppo),
+             lambda: check_model_exists(cfg.model), lambda: check_tokenizer(cfg), lambda: check_data(cfg.data, cfg.model),
+             lambda: check_lora_targets(cfg), lambda: check_reward_sources(cfg.ppo, cfg.data.prompt_metadata))
+    _BUILDS_CHECKED.add(fingerprint)
+    return keys
+
+
+def _checked(*fns):
+    """Run the checks in order; a ValueError or FileNotFoundError is the user's input: a ConfigError."""
+    out = None
+    for fn in fns:
         try:
-            fn()
+            out = fn()
         except ConfigError:
             raise
         except (ValueError, FileNotFoundError) as e:
             raise ConfigError(str(e)) from None
-    _PASSED.add(fingerprint)
+    return out

@@ -27,13 +27,10 @@ from prefect import flow, get_run_logger, task
 from prefect.serializers import JSONSerializer
 
 from flows.config import PipelineConfig, StageResources, describe_resources, local_gpus, resolve_resources, validate_config
+from flows.plan import all_hit, hit, open_store, ppo_key, refreshed, rm_key, sft_key  # noqa: F401 (open_store: flows.cli)
 from storage.store import ArtifactRef, ArtifactStore
 
 log = logging.getLogger("rlhf.flow")
-
-
-def open_store(cfg: PipelineConfig) -> ArtifactStore:
-    return ArtifactStore(cfg.store.resolved_uri(), cfg.store.storage_options)
 
 
 def cache_key(context, parameters) -> str:
@@ -41,30 +38,6 @@ def cache_key(context, parameters) -> str:
     (hashed: Prefect stores records under this name, and URIs hold '/' and ':')."""
     store_uri = parameters["cfg"].store.resolved_uri()
     return "rlhf-" + hashlib.sha256(f"{store_uri}|{parameters['key']}".encode()).hexdigest()[:40]
-
-
-def data_key(cfg: PipelineConfig) -> str:
-    from tasks.data.prepare import data_key
-
-    return data_key(cfg.data, cfg.model, cfg.seed)
-
-
-def sft_key(cfg: PipelineConfig, data: ArtifactRef) -> str:
-    from tasks.sft.train import sft_key
-
-    return sft_key(cfg.sft, cfg.model, data, cfg.seed)
-
-
-def rm_key(cfg: PipelineConfig, data: ArtifactRef) -> str:
-    from tasks.rm.train import rm_key
-
-    return rm_key(cfg.rm, cfg.model, data, cfg.seed)
-
-
-def ppo_key(cfg: PipelineConfig, data: ArtifactRef, sft: ArtifactRef, rm: ArtifactRef | None) -> str:
-    from tasks.ppo.train import ppo_key
-
-    return ppo_key(cfg.ppo, cfg.model, data, sft, rm, cfg.seed)
 
 
 def publish_prefect_artifact(stage: str, store: ArtifactStore, ref: ArtifactRef) -> None:
@@ -162,19 +135,9 @@ class Stage:
         return self.ref
 
 
-def refreshed(cfg: PipelineConfig, stage: str) -> bool:
-    return stage in cfg.refresh or "all" in cfg.refresh
-
-
-def hit(cfg: PipelineConfig, store: ArtifactStore, stage: str, key: str) -> bool:
-    return not refreshed(cfg, stage) and store.is_good(key)
-
-
 def submit_stage(t, stage: str, key: str, cfg: PipelineConfig, store: ArtifactStore, **inputs: ArtifactRef) -> Stage:
     """A hit runs in this thread (Prefect finds its record: Cached, no Ray worker); anything else
     goes to Ray with the stage's resources, retries (exponential backoff) and ``refresh_cache``."""
-    from prefect_ray.context import remote_options
-
     r: StageResources = cfg.resources[stage]
     opts = dict(retries=r.retries, retry_delay_seconds=[r.retry_delay_s * 2**i for i in range(max(r.retries, 1))])
     if hit(cfg, store, stage, key):
@@ -183,25 +146,12 @@ def submit_stage(t, stage: str, key: str, cfg: PipelineConfig, store: ArtifactSt
     outcome = "built" if refreshed(cfg, stage) or not store.exists(key) else "rebuilt (failed its check)"
     if outcome != "built":
         get_run_logger().warning("%s: %s failed its check and will be rebuilt", stage, store.uri_of(key))
+    from prefect_ray.context import remote_options  # imports ray: not on the all-hit path
+
     ray_opts = {"num_cpus": r.num_cpus, **({"num_gpus": r.num_gpus} if r.num_gpus else {}),
                 **({"resources": dict(r.resources)} if r.resources else {})}
     with remote_options(**ray_opts):
         return Stage(stage, store, outcome, future=t.with_options(**opts, refresh_cache=True).submit(cfg, key, **inputs))
-
-
-def known_keys(cfg: PipelineConfig, store: ArtifactStore) -> dict[str, str]:
-    """The keys computable before anything runs: data's, and each next stage's while its inputs
-    are hits. The flow computes the rest once their inputs are built."""
-    keys = {"data": data_key(cfg)}
-    if not hit(cfg, store, "data", keys["data"]):
-        return keys
-    data = store.ref(keys["data"])
-    keys["sft"] = sft_key(cfg, data)
-    if cfg.ppo.needs_reward_model:
-        keys["rm"] = rm_key(cfg, data)
-    if hit(cfg, store, "sft", keys["sft"]) and ("rm" not in keys or hit(cfg, store, "rm", keys["rm"])):
-        keys["ppo"] = ppo_key(cfg, data, store.ref(keys["sft"]), store.ref(keys["rm"]) if "rm" in keys else None)
-    return keys
 
 
 @flow(name="rlhf-stages")
@@ -229,9 +179,7 @@ def rlhf(config: PipelineConfig = PipelineConfig()) -> dict[str, ArtifactRef]:
     gpus = local_gpus(cfg.ray)
     cfg = resolve_resources(cfg, gpus)  # unset GPU requests, once, for the GPUs there are
     print(f"rlhf: {describe_resources(cfg, gpus)}")
-    preflight(cfg)  # every config/data/cluster error before any model loads
-    store = open_store(cfg)
-    keys = known_keys(cfg, store)
-    all_hit = "ppo" in keys and hit(cfg, store, "ppo", keys["ppo"])  # every stage a hit: no Ray to start
-    stages = rlhf_stages if all_hit else rlhf_stages.with_options(task_runner=ray_task_runner(cfg.ray))
+    keys = preflight(cfg)  # every config/data/cluster error before any model loads; the keys known now
+    # every stage a hit: no Ray to start
+    stages = rlhf_stages if all_hit(cfg, open_store(cfg), keys) else rlhf_stages.with_options(task_runner=ray_task_runner(cfg.ray))
     return run_pipeline_tracked(cfg, lambda c: stages(c, keys))  # inside the pipeline's MLflow run, when set

@@ -1,14 +1,9 @@
-"""Where the flow runs: the Ray task runner from config, and a local Prefect server for the CLI."""
+"""Where the flow runs: the Ray task runner from config (the CLI's local Prefect server: flows/server.py)."""
 
 from __future__ import annotations
 
 import logging
 import os
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 from flows.config import RayConfig
@@ -68,62 +63,3 @@ def ray_task_runner(cfg: RayConfig):
     log.info("Ray: %s", "a private local Ray for this run (set ray.address to use a cluster)" if address == "local"
              else f"the cluster at {address}")
     return RayTaskRunner(address=address, init_kwargs=ray_init_kwargs(cfg))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _healthy(api: str) -> bool:
-    try:
-        urllib.request.urlopen(api + "/health", timeout=2)
-        return True
-    except Exception:
-        return False
-
-
-class LocalPrefectServer:
-    """``prefect server start`` on 127.0.0.1 for the length of a CLI run, unless one is configured.
-
-    Prefect's ephemeral mode would start a temporary server in every Ray worker; one real server
-    records the whole run (``prefect server start`` later shows it in the UI, same database).
-    """
-
-    def __init__(self, timeout_s: float = 90):
-        self.timeout_s, self.proc, self.api = timeout_s, None, None
-
-    def __enter__(self) -> "LocalPrefectServer":
-        if os.environ.get("PREFECT_API_URL"):
-            return self
-        port = _free_port()
-        self.api = f"http://127.0.0.1:{port}/api"
-        home = Path(os.environ.get("PREFECT_HOME", Path.home() / ".prefect"))
-        home.mkdir(parents=True, exist_ok=True)
-        log = open(home / "rlhf-server.log", "ab")
-        self.proc = subprocess.Popen(
-            # `python -m prefect`, not <python's folder>/prefect: packages may come from PYTHONPATH or a user site
-            [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"},
-        )
-        deadline = time.time() + self.timeout_s
-        while not _healthy(self.api):
-            if self.proc.poll() is not None or time.time() > deadline:
-                self.__exit__()
-                raise RuntimeError(f"the local Prefect server did not start; see {home / 'rlhf-server.log'} "
-                                   "(or set PREFECT_API_URL to a running server)")
-            time.sleep(0.3)
-        os.environ["PREFECT_API_URL"] = self.api
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.proc is None:
-            return
-        os.environ.pop("PREFECT_API_URL", None)
-        self.proc.terminate()
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.proc = None

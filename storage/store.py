@@ -364,7 +364,8 @@ class ArtifactStore:
         ``keep_existing``: when a whole artifact is already at the key (a run racing this one on
         the same inputs published first), keep it and return its ref. The first build wins, so
         what a racing run's consumers were keyed on is not replaced under them by bytes that may
-        differ (training is not bit-reproducible across processes)."""
+        differ (the model files are bit-reproducible across processes, tests/test_reproducible.py, but
+        TensorBoard's event files carry wall times)."""
         key = _check_key(key)
         if keep_existing and self.is_good(key):
             return self.ref(key)

@@ -303,7 +303,7 @@ def test_chat_model_through_data_sft_rm_and_ppo(chat, rlhf_cache, ray_cluster, t
     assert all(r["chosen_ids"][-1] == r["rejected_ids"][-1] == im_end for r in read_jsonl(data_dir / "pref_train.jsonl"))
     assert all(r["prompt"].endswith("<|im_start|>assistant\n") for r in read_jsonl(data_dir / "prompts_eval.jsonl"))
 
-    # the model is random like the built-in one: LoRA on lm_head too (see tasks/sft/lora.py)
+    # the model is random like the built-in one: LoRA on lm_head too (see tasks/common/lora.py)
     sft = train_sft(SFTConfig(max_steps=60, eval_every=30, target_modules=[*LLAMA_TARGETS, "lm_head"]), cfg, store, data, 0)
     rm = train_reward_model(RewardConfig(max_steps=30, eval_every=30), cfg, store, data, 0)
     t_stages = time.perf_counter() - t

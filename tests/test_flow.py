@@ -101,12 +101,15 @@ def test_run_then_cached_rerun_then_only_downstream_reruns(store_uri, prefect_ap
         assert ArtifactRef.model_validate(ref).parts == {}
         path.write_text(json.dumps({**record, "result": json.dumps(ref)}))
 
-    p, cached = rlhf_run(store_uri)
+    p, cached = rlhf_run(store_uri, env={"PYTHONPROFILEIMPORTTIME": "1"})  # stderr lists every module imported
+    imported = {line.rsplit("|", 1)[-1].strip() for line in p.stderr.splitlines() if line.startswith("import time:")}
+    assert "prefect" in imported and not imported & {"torch", "transformers", "peft", "ray", "prefect_ray"}, \
+        sorted(imported & {"torch", "transformers", "peft", "ray", "prefect_ray"})  # hits known before any of them
     states = task_states()
     assert {n: s["state"] for n, s in states.items()} == {n: "Cached" for n in ("data", "sft", "rm", "ppo")}, states
     assert all(re.search(rf"rlhf: {s:5s} cached ", p.stdout + p.stderr) for s in ("data", "sft", "rm", "ppo")), p.stderr
     assert "Ray: a private local Ray" not in p.stdout + p.stderr  # every stage a hit: no Ray
-    print(f"\nfirst run {first:.1f}s, fully cached rerun {cached:.1f}s (wall, `rlhf run` incl. Prefect server + Ray start)")
+    print(f"\nfirst run {first:.1f}s, fully cached rerun {cached:.1f}s (wall, the whole `rlhf run`)")
     assert cached < first
 
     # a change to the reward model's config re-runs it and PPO only
@@ -209,7 +212,10 @@ def test_corrupt_cached_artifact_is_rebuilt_not_trusted(store_uri, prefect_api):
     store.verify(sft_key)  # republished whole
 
 
-def test_deployment_full_runs_on_a_process_worker(prefect_api, tmp_path, rlhf_cache):
+def test_deployment_full_runs_on_a_process_worker_one_run_at_a_time(prefect_api, tmp_path, rlhf_cache):
+    """Two runs of rlhf/full triggered together (a scheduled retrain and a manual run): the
+    deployment's concurrency limit (1) makes the second wait for the first to finish
+    (AwaitingConcurrencySlot), and then every stage of it is Cached from the first's artifacts."""
     pool = "rlhf-test-pool"
     store_uri = "file://" + str(tmp_path / "deployed-store")
     sets = [a for s in [*SMALL, f"store.uri={store_uri}"] for a in ("--set", s)]
@@ -221,12 +227,22 @@ def test_deployment_full_runs_on_a_process_worker(prefect_api, tmp_path, rlhf_ca
                               start_new_session=True)
     try:
         t0 = time.time()
-        run = subprocess.run([str(BIN / "prefect"), "deployment", "run", "rlhf/full", "--watch", "--watch-timeout", "600"],
-                             cwd=REPO, env=env, timeout=660, capture_output=True, text=True)
-        print(f"\ndeployment run rlhf/full: {time.time() - t0:.1f}s")
+        runs = asyncio.run(_run_deployment_twice("rlhf/full", timeout=900))
+        print(f"\ntwo deployment runs of rlhf/full, one after the other: {time.time() - t0:.1f}s")
         log = (tmp_path / "worker.log").read_text()
-        assert run.returncode == 0, f"{run.stdout[-2000:]}\n{run.stderr[-2000:]}\nworker:\n{log[-4000:]}"
-        assert "Completed" in run.stdout
+        assert [r["state"] for r in runs] == ["Completed", "Completed"], f"{runs}\nworker:\n{log[-4000:]}"
+        first, second = sorted(runs, key=lambda r: r["start"])
+        assert second["start"] >= first["end"], runs  # no overlap
+        assert "AwaitingConcurrencySlot" in second["states"], runs  # it waited for the slot
+        assert {t["state"] for t in task_states().values()} == {"Cached"}, task_states()  # then found it all built
+        # A run that fails (RM, forced, fails once), retried through the API as the UI's Retry does
+        # (its state set to Scheduled): the retry reuses every finished stage. The RM it rebuilds has
+        # the same weights (reproducible builds), so PPO, keyed on them, is Cached too.
+        retried = asyncio.run(_fail_then_retry("rlhf/full", tmp_path / "rm-failed-once", timeout=600))
+        log = (tmp_path / "worker.log").read_text()
+        assert retried == ["Failed", "Completed"], f"{retried}\nworker:\n{log[-4000:]}"
+        states = {stage: t["state"] for stage, t in task_states().items()}
+        assert states == {"data": "Cached", "sft": "Cached", "rm": "Completed", "ppo": "Cached"}, states
     finally:
         os.killpg(worker.pid, signal.SIGINT)
         try:
@@ -236,8 +252,49 @@ def test_deployment_full_runs_on_a_process_worker(prefect_api, tmp_path, rlhf_ca
     store = ArtifactStore(store_uri)
     ppo = [k for k in store.list("ppo") if "-ckpt" not in k]
     assert len(ppo) == 1 and store.manifest(ppo[0])["kind"] == "ppo_actor"
-    sched = asyncio.run(_deployment_schedule("rlhf/full"))
-    assert sched == ["0 3 * * 0"], sched
+    sched, limit = asyncio.run(_deployment_schedule("rlhf/full"))
+    assert sched == ["0 3 * * 0"] and limit == (1, "ENQUEUE"), (sched, limit)
+
+
+async def _fail_then_retry(name: str, marker: Path, timeout: float) -> list[str]:
+    from prefect.client.orchestration import get_client
+    from prefect.states import Scheduled
+
+    async with get_client() as c:
+        d = await c.read_deployment_by_name(name)
+        config = {**d.parameters["config"], "refresh": ["rm"]}
+        config["resources"] = {**config.get("resources", {}), "rm": {**config.get("resources", {}).get("rm", {}), "retries": 0}}
+        run = await c.create_flow_run_from_deployment(d.id, parameters={"config": config},
+                                                      job_variables={"env": {"RLHF_FAIL_ONCE": f"rm:{marker}"}})
+        finals = []
+        for attempt in range(2):
+            deadline = time.time() + timeout
+            while time.time() < deadline:
+                r = await c.read_flow_run(run.id)
+                if r.state and r.state.is_final():
+                    break
+                await asyncio.sleep(2)
+            finals.append(r.state.name)
+            if attempt == 0:
+                await c.set_flow_run_state(run.id, Scheduled(), force=True)  # the UI's Retry
+                await asyncio.sleep(1)
+        return finals
+
+
+async def _run_deployment_twice(name: str, timeout: float) -> list[dict]:
+    from prefect.client.orchestration import get_client
+
+    async with get_client() as c:
+        d = await c.read_deployment_by_name(name)
+        ids = [(await c.create_flow_run_from_deployment(d.id)).id for _ in range(2)]
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            runs = [await c.read_flow_run(i) for i in ids]
+            if all(r.state and r.state.is_final() for r in runs):
+                break
+            await asyncio.sleep(2)
+        return [{"state": r.state.name, "start": r.start_time, "end": r.end_time,
+                 "states": [s.name for s in await c.read_flow_run_states(r.id)]} for r in runs]
 
 
 async def _deployment_schedule(name: str) -> list[str]:
@@ -245,7 +302,9 @@ async def _deployment_schedule(name: str) -> list[str]:
 
     async with get_client() as c:
         d = await c.read_deployment_by_name(name)
-        return [s.schedule.cron for s in d.schedules]
+        strategy = d.concurrency_options.collision_strategy.value if d.concurrency_options else None
+        return [s.schedule.cron for s in d.schedules], (d.global_concurrency_limit.limit if d.global_concurrency_limit else None,
+                                                        strategy)
 
 
 def test_retraining_on_new_prompts_reuses_sft_and_rm(store_uri, prefect_api, tmp_path):

@@ -380,7 +380,8 @@ def test_local_servers_bind_to_loopback(monkeypatch, tmp_path):
     """The CLI's Prefect server listens on 127.0.0.1 only (read from /proc/net/tcp); a local Ray
     dashboard, when asked for, is bound to ray.dashboard_host, 127.0.0.1 by default."""
     from flows.config import RayConfig
-    from flows.runtime import LocalPrefectServer, ray_init_kwargs
+    from flows.runtime import ray_init_kwargs
+    from flows.server import LocalPrefectServer, stop
 
     kw = ray_init_kwargs(RayConfig(dashboard=True))
     assert kw["include_dashboard"] is True and kw["dashboard_host"] == "127.0.0.1"
@@ -396,4 +397,5 @@ def test_local_servers_bind_to_loopback(monkeypatch, tmp_path):
                 local, state = line.split()[1], line.split()[3]
                 if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
                     listening.append(local.rsplit(":", 1)[0])
+    assert stop(tmp_path)["api"] == server.api  # the server outlives the run (flows/server.py): stop it
     assert listening == ["0100007F"], listening  # 127.0.0.1, and nothing on 0.0.0.0 or ::

@@ -17,7 +17,7 @@ from tasks.common import loop
 from tasks.common.tracking import read_scalars
 from tasks.sft import train as sft_train
 from tasks.sft.config import SFTConfig
-from tasks.sft.lora import AUTO_TARGETS, resolve_target_modules
+from tasks.common.lora import AUTO_TARGETS, resolve_target_modules
 from tasks.sft.loss import causal_lm_loss
 from tasks.sft.train import evaluate, partial_key, sft_key, train_sft
 
@@ -88,7 +88,7 @@ def test_auto_targets_per_architecture():
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(config)
         assert resolve_target_modules("auto", skeleton) == AUTO_TARGETS[family]
-    from tasks.sft.lora import model_skeleton
+    from tasks.common.lora import model_skeleton
 
     llama = model_skeleton(MODEL)
     assert resolve_target_modules("auto", llama) == AUTO_TARGETS["llama"]

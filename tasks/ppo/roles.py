@@ -273,8 +273,10 @@ class PolicyWorker(_LearnerMixin, DistributedWorker):
         if self.rank != 0:
             return None
         with tempfile.TemporaryDirectory() as tmp:
+            from tasks.common.lora import save_adapter
+
             # the base weights stay untouched (as in SFT's adapter): no embedding copy
-            self.infer_model.save_pretrained(tmp, state_dict=weights, selected_adapters=["default"], save_embedding_layers=False)
+            save_adapter(self.infer_model, tmp, state_dict=weights, selected_adapters=["default"], save_embedding_layers=False)
             return {p.name: p.read_bytes() for p in Path(tmp).iterdir() if p.is_file()}
 
 
@@ -348,7 +350,7 @@ class CriticWorker(_LearnerMixin, DistributedWorker):
         if ppo.critic_lora_rank:
             from peft import LoraConfig, get_peft_model
 
-            from tasks.sft.lora import resolve_target_modules
+            from tasks.common.lora import resolve_target_modules
 
             self.reward_head = copy.deepcopy(rm.head).requires_grad_(False).to(self.device)  # fp32, as trained
             rm.requires_grad_(False)

@@ -16,7 +16,6 @@ from typing import Callable
 
 import torch
 
-from storage.keys import code_version, stage_key
 from storage.store import ArtifactRef, ArtifactStore
 from tasks.common.model import ModelConfig, check_model_exists, load_tokenizer, model_stop_ids
 from tasks.common.tracking import Tracker, TrackingConfig
@@ -26,40 +25,11 @@ from tasks.ppo.config import PPOConfig, check_gpu_fit, resolve_placement
 from tasks.ppo.fast_generate import check_fast_generate
 from tasks.ppo.group import (RoleGroup, check_cluster, colossalai_imports, colossalai_problem, create_placement_groups,
                              import_failure, role_bundles, role_device)
+from tasks.ppo.key import ppo_key, ppo_seed, read_parts
 from tasks.ppo.run import PPORun
 
 log = logging.getLogger("rlhf.ppo")
 METRICS = ("reward_mean", "reward_std", "kl", "entropy", "policy_loss", "value_loss", "clip_fraction", "response_length")
-
-
-def read_parts(data: ArtifactRef, sft: ArtifactRef, rm: ArtifactRef | None) -> dict[str, ArtifactRef]:
-    """The inputs narrowed to the parts PPO reads: what it keys on, and what its workers check
-    they fetched (TensorBoard's event files, with wall times, must neither re-key PPO nor fail a
-    worker's check when a racing run republished the same key). No reward model when the config
-    needs none (``PPOConfig.needs_reward_model``)."""
-    parts = {"data": data.only("tokenizer", "prompts_train.jsonl", "prompts_eval.jsonl", "ptx_train.jsonl"), "sft": sft.only("adapter")}
-    return parts | ({"rm": rm.only("model.safetensors", "config.json")} if rm is not None else {})
-
-
-def ppo_key(cfg: PPOConfig, model: ModelConfig, data: ArtifactRef, sft: ArtifactRef, rm: ArtifactRef | None, seed: int) -> str:
-    from tasks.ppo.rewards import reward_code_version
-
-    check_reward_model(cfg, rm)
-    config = {"ppo": cfg, "model": model.identity(), "seed": _seed(cfg, seed)}
-    if code := reward_code_version(cfg):  # a reward function's source keys the stage
-        config["reward_code"] = code
-    return stage_key("ppo", config, read_parts(data, sft, rm), code_version(__name__))
-
-
-def check_reward_model(cfg: PPOConfig, rm: ArtifactRef | None) -> None:
-    if cfg.needs_reward_model and rm is None:
-        raise ValueError(f"ppo.advantage {cfg.advantage!r} with ppo.rewards kinds {[r.kind for r in cfg.rewards]} needs the reward "
-                         "model stage's artifact (the critic starts from it, or a term is kind 'model'); pass it, or use a "
-                         "critic-free advantage (grpo, rloo, reinforce_pp) with rewards of kind 'function' / 'http' only")
-
-
-def _seed(cfg: PPOConfig, seed: int) -> int:
-    return cfg.seed if cfg.seed is not None else seed
 
 
 def check_ppo(cfg: PPOConfig) -> None:
@@ -141,7 +111,7 @@ def train_ppo(cfg: PPOConfig, model: ModelConfig, store: ArtifactStore, data: Ar
     key = key or ppo_key(cfg, model, data, sft, rm, seed)
     if not force and store.is_good(key):  # a damaged artifact is rebuilt
         return store.ref(key)
-    seed = _seed(cfg, seed)
+    seed = ppo_seed(cfg, seed)
     check_ppo(cfg)
     check_model_exists(model)
     check_fast_generate(cfg.fast_generate, cfg.strategy, model)
@@ -252,7 +222,7 @@ def check_ppo_memory(cfg: PPOConfig, model: ModelConfig, gpus: float) -> dict[st
     the nodes' GPUs)."""
     from tasks.ppo.config import check_gpu_memory, weight_memory_gib
     from tasks.ppo.fast_generate import fast_generate_applies
-    from tasks.sft.lora import model_skeleton
+    from tasks.common.lora import model_skeleton
 
     if not torch.cuda.is_available() or not any(cfg.role(r).gpus_per_worker for r in cfg.started_roles):
         return {}

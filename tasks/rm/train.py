@@ -13,28 +13,20 @@ import tempfile
 
 import torch
 
-from storage.keys import code_version, stage_key
 from storage.store import ArtifactRef, ArtifactStore
 from tasks.common.model import ModelConfig, load_tokenizer, pick_device, placement_record, checkpoint_blocks
 from tasks.data.dataset import collate_pairs, read_jsonl
 from tasks.rm.config import RewardConfig
+from tasks.rm.key import rm_key
 from tasks.rm.loss import pairwise_loss
 from tasks.rm.model import build_reward_model, save_reward_model
 from tasks.common import loop
 from tasks.common.tracking import Tracker, TrackingConfig
-from tasks.sft.lora import lora_config, model_skeleton, resolve_target_modules
+from tasks.common.lora import lora_config, model_skeleton, resolve_target_modules
 
 logger = logging.getLogger("rlhf.rm")
 
 KIND = "reward_model"
-_NOT_IN_KEY = {"log_every"}
-
-
-def rm_key(cfg: RewardConfig, model: ModelConfig, data: ArtifactRef, seed: int) -> str:
-    return stage_key("rm", {"rm": cfg.model_dump(mode="json", exclude=_NOT_IN_KEY), "model": model.identity(), "seed": seed},
-                     {"data": data.only("tokenizer", "pref_train.jsonl", "pref_eval.jsonl")}, code_version(__name__))
-
-
 def train_reward_model(cfg: RewardConfig, model: ModelConfig, store: ArtifactStore, data: ArtifactRef, seed: int,
                        *, key: str | None = None, force: bool = False, tracking: TrackingConfig | None = None) -> ArtifactRef:
     """Train a sequence scorer on ``data``'s ``pref_train`` pairs and publish it; returns its ref.

@@ -22,29 +22,20 @@ from pathlib import Path
 
 import torch
 
-from storage.keys import code_version, stage_key
 from storage.store import ArtifactRef, ArtifactStore
 from tasks.common.model import ModelConfig, load_causal_lm, load_tokenizer, pick_device, placement_record, checkpoint_blocks
 from tasks.data.dataset import collate_lm, read_jsonl
 from tasks.common import loop
 from tasks.common.tracking import Tracker, TrackingConfig
 from tasks.sft.config import SFTConfig
-from tasks.sft.lora import lora_config, model_skeleton, resolve_target_modules
+from tasks.sft.key import sft_key
+from tasks.common.lora import lora_config, model_skeleton, resolve_target_modules, save_adapter
 from tasks.sft.loss import IGNORE_INDEX, causal_lm_loss
 
 logger = logging.getLogger("rlhf.sft")
 
 KIND = "sft_adapter"
 CHECKPOINT_KIND = "sft_checkpoint"
-# Fields that change neither the result nor its meaning stay out of the key.
-_NOT_IN_KEY = {"resume", "log_every"}
-
-
-def sft_key(cfg: SFTConfig, model: ModelConfig, data: ArtifactRef, seed: int) -> str:
-    return stage_key("sft", {"sft": cfg.model_dump(mode="json", exclude=_NOT_IN_KEY), "model": model.identity(), "seed": seed},
-                     {"data": data.only("tokenizer", "sft_train.jsonl", "sft_eval.jsonl")}, code_version(__name__))
-
-
 def partial_key(key: str) -> str:
     return f"{key}-partial"
 
@@ -241,7 +232,7 @@ def evaluate(model, records: list[dict], pad_id: int, batch_size: int, device: s
 
 def _save(model, tokenizer_dir: Path, opt, sched, state: dict, rng: list, spe: int, out: Path) -> None:
     # The base weights stay untouched, so an lm_head target need not copy the embedding into the adapter.
-    model.save_pretrained(str(out / "adapter"), save_embedding_layers=False)
+    save_adapter(model, out / "adapter", save_embedding_layers=False)
     shutil.copytree(tokenizer_dir, out / "tokenizer")
     epoch, position = divmod(state["step"], spe)
     torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "step": state["step"],

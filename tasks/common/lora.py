@@ -9,6 +9,8 @@ the model is loaded and PEFT raises deep inside ``get_peft_model``.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Literal, Sequence
 
 from tasks.common.model import ModelConfig
@@ -84,3 +86,17 @@ def lora_config(cfg, targets: list[str] | str, task_type: str | None = "CAUSAL_L
 
     return LoraConfig(task_type=task_type, r=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
                       lora_dropout=cfg.lora_dropout, target_modules=targets)
+
+
+def save_adapter(model, out: str | Path, **kwargs) -> None:
+    """``model.save_pretrained(out)`` with an ``adapter_config.json`` that has the same bytes in every
+    process: PEFT keeps ``target_modules`` (and ``exclude_modules``) as sets and writes them in set
+    order, which follows the process's string hash seed (PYTHONHASHSEED), so two builds of one key
+    wrote different files. Sorted here; PEFT reads them back as sets."""
+    model.save_pretrained(str(out), **kwargs)
+    for path in Path(out).rglob("adapter_config.json"):
+        config = json.loads(path.read_text())
+        for field in ("target_modules", "exclude_modules"):
+            if isinstance(config.get(field), list):
+                config[field] = sorted(config[field])
+        path.write_text(json.dumps(config, indent=2, sort_keys=True))
