@@ -228,7 +228,7 @@ def test_rlhf_run_with_code_rewards_skips_the_reward_model_stage(stages, prefect
 def test_flow_needs_no_reward_model_stage_with_code_rewards_and_no_critic(stages):
     """The flow's keys with data and SFT built: PPO's is known at once, keyed without a reward model."""
     from flows.config import PipelineConfig
-    from flows.rlhf import known_keys
+    from flows.plan import known_keys
 
     store, data, sft, _ = stages
     critic_free = PipelineConfig(data=DATA, ppo=PPOConfig(advantage="rloo", n_samples_per_prompt=4, rewards=[SENTIMENT]))
