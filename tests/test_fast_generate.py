@@ -347,8 +347,8 @@ def test_policy_worker_fast_rollouts_equal_plain_ones_before_and_after_learning(
 
         lp, _ = ray.get(fast_w.logprobs.remote(greedy))
         adv = torch.randn(lp.shape, generator=torch.Generator().manual_seed(0)) * greedy.action_mask
-        exp = Experience(greedy.sequences, greedy.attention_mask, greedy.action_mask, lp, torch.zeros_like(lp), adv, torch.zeros_like(lp))
-        ray.get([w.learn.remote(exp) for w in (fast_w, plain_w)])
+        exp = Experience(greedy.sequences, greedy.attention_mask, greedy.action_mask, lp, torch.zeros_like(lp), adv, torch.zeros_like(lp), torch.zeros_like(lp))
+        ray.get([w.learn.remote(0.0, exp) for w in (fast_w, plain_w)])  # kl_coef unused: ppo.kl_penalty is reward
         digests = ray.get([w.local_digest.remote() for w in (fast_w, plain_w)])
         # the same LoRA weights in both (a GPU's attention backward may add in another order)
         assert digests[0] == (digests[1] if DEVICE == "cpu" else pytest.approx(digests[1], rel=1e-6))
