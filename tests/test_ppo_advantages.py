@@ -23,17 +23,7 @@ from tasks.ppo.config import PPOConfig
 from tasks.ppo.experience import make_experience
 from tasks.ppo.generation import Rollout
 from tasks.ppo.losses import gae, kl_k3, kl_loss, masked_mean, ppo_clip_loss
-
-D = torch.float64
-
-
-def t(x):
-    return torch.tensor(x, dtype=D)
-
-
-def ragged_mask(B, T, g, min_len=1):
-    lens = torch.randint(min_len, T + 1, (B,), generator=g)
-    return (torch.arange(T)[None, :] < lens[:, None]).to(D)
+from tests.test_ppo_math import D, ragged_mask, t
 
 
 # ============================================================================ hand-computed
