@@ -81,7 +81,7 @@ def stage_console(stage: str) -> Iterator[None]:
     lg.setLevel(logging.INFO)
     handler = next((h for h in lg.handlers if getattr(h, "_rlhf", False)), None)
     if handler is None:
-        handler = logging.StreamHandler()
+        handler = StderrHandler()
         handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(message)s", "%H:%M:%S"))
         handler._rlhf = True
         lg.addHandler(handler)
@@ -100,6 +100,22 @@ def stage_console(stage: str) -> Iterator[None]:
     finally:
         handler.removeFilter(step_filter)
         bar.close()
+
+
+class StderrHandler(logging.StreamHandler):
+    """A StreamHandler on whatever ``sys.stderr`` is at each record (a test's capture, a redirect),
+    not the stream of the moment it was made, which may be closed by then."""
+
+    def __init__(self):
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
 
 
 def _in_ray_worker() -> bool:
