@@ -70,17 +70,21 @@ def find_garbage(store: ArtifactStore, grace_s: float = DEFAULT_GRACE_S, now: fl
     now = time.time() if now is None else now
     old = now - grace_s
     manifests, folders = _scan(store)
-    named = {}
+    named, created = {}, {}
     for key in manifests:
         try:
-            named[key] = store.manifest(key)["data"]
+            m = store.manifest(key)
+            named[key], created[key] = m["data"], datetime.fromisoformat(m["created_at"])
         except Exception:  # unreadable (ArtifactCorrupt, gone since the listing): keep all under it
             named[key] = None
     out = []
     finished = {}
     for key, m_time in manifests.items():
         for pat in _FINISHED:
-            if (match := pat.match(key)) and match["run"] in manifests and m_time <= manifests[match["run"]] and m_time < old:
+            # made before the final artifact: its publish times to the microsecond (an object store's
+            # listing times are whole seconds, so a checkpoint of a run still going could tie)
+            if ((match := pat.match(key)) and key in created and created.get(match["run"]) is not None
+                    and created[key] < created[match["run"]] and m_time < old):
                 finished[key] = match["run"]
     for key, run in sorted(finished.items()):
         nbytes = sum(int(v[0]) for (k, _), v in folders.items() if k == key)
