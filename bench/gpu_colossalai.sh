@@ -38,16 +38,21 @@ strategy_of() { case $1 in zero2) echo colossalai_zero2 ;; gemini) echo colossal
 adapter_sha() {  # the final PPO adapter's sha256 from its manifest
   python3 -c "import json, glob; m = [json.load(open(p)) for p in glob.glob('$1/ppo/*/MANIFEST.json')]; m = [x for x in m if x['kind'] == 'ppo_actor']; print(m[0]['files']['adapter/adapter_model.safetensors']['sha256'] if m else 'no ppo_actor')"
 }
+seed_store() {  # a new store starts with the first run's data, SFT and RM (the strategy changes only PPO's key): runs after the first time only PPO
+  local base; base=$(ls -d /tmp/art-{zero2,gemini,ddp} 2>/dev/null | grep -v "^$1\$" | head -1)
+  [ -n "$base" ] && [ -d "$base/rm" ] && { mkdir -p "$1"; for d in "$base"/*; do [ "$(basename "$d")" = ppo ] || cp -r "$d" "$1/"; done; }
+  return 0
+}
 for step in "$@"; do
   echo "== $step $(date +%T)"
   case $step in
-    probe) timeout 480 python3 bench/colossalai_probe.py --out "$OUT/probe.json" > "$OUT/probe.log" 2>&1; echo "rc=$?"
+    probe) timeout "${PROBE_TIMEOUT:-480}" python3 bench/colossalai_probe.py --out "$OUT/probe.json" > "$OUT/probe.log" 2>&1; echo "rc=$?"
            grep -E "^probe:|^\{" "$OUT/probe.log" | cut -c1-1500 ;;
-    zero2|gemini|ddp) rm -rf "/tmp/art-$step"
+    zero2|gemini|ddp) rm -rf "/tmp/art-$step"; seed_store "/tmp/art-$step"
            flow "$step" --set store.uri="file:///tmp/art-$step" --set ppo.strategy="$(strategy_of "$step")"
            python3 bench/gpu_summary.py "/tmp/art-$step" "$OUT/gpu_$step.csv" > "$OUT/summary_$step.json"; cat "$OUT/summary_$step.json" ;;
     resume_zero2|resume_gemini) s=${step#resume_}; store=/tmp/art-$step; rm -rf "$store"
-           args=(--set store.uri="file://$store" --set ppo.strategy="$(strategy_of "$s")")
+           seed_store "$store"; args=(--set store.uri="file://$store" --set ppo.strategy="$(strategy_of "$s")")
            setsid python3 -m flows.cli run "${args[@]}" ${EXTRA:-} > "$OUT/run_${step}_killed.log" 2>&1 & pid=$!
            for _ in $(seq 300); do compgen -G "$store/ppo/*-ckpt/iter-*/MANIFEST.json" > /dev/null && break; sleep 1; done
            kill -9 -- -"$pid" 2>/dev/null; wait "$pid" 2>/dev/null
