@@ -34,6 +34,18 @@ def step(results: dict, name: str, fn):
         return None
 
 
+def _tensors(x):
+    """Every tensor in a nested state dict, in a fixed order."""
+    if hasattr(x, "is_floating_point"):
+        yield x
+    elif isinstance(x, dict):
+        for k in sorted(x, key=str):
+            yield from _tensors(x[k])
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            yield from _tensors(v)
+
+
 def small_lora_llama(device: str):
     import torch
     from peft import LoraConfig, get_peft_model
@@ -54,7 +66,7 @@ def probe_strategy(strategy: str, device: str) -> dict:
     import torch
 
     from tasks.ppo.generation import generate
-    from tasks.ppo.group import full_state, wrap_learner
+    from tasks.ppo.group import full_state, load_full_state, wrap_learner
 
     r: dict = {}
     model = step(r, "build", lambda: small_lora_llama(device))
@@ -67,27 +79,41 @@ def probe_strategy(strategy: str, device: str) -> dict:
     wrapped, optim, infer = got
     ids = torch.randint(1, 512, (4, 32), generator=torch.Generator().manual_seed(1)).to(device)
 
-    def train():
-        losses = []
-        for _ in range(3):
-            loss = wrapped(input_ids=ids, labels=ids).loss
-            if strategy.startswith("colossalai"):
-                optim.backward(loss)
-            else:
-                loss.backward()
-            optim.step()
-            optim.zero_grad()
-            losses.append(round(loss.item(), 4))
-        return losses
+    def one_step() -> float:
+        loss = wrapped(input_ids=ids, labels=ids).loss
+        if strategy.startswith("colossalai"):
+            optim.backward(loss)
+        else:
+            loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return round(loss.item(), 4)
 
-    step(r, "train_3_steps", train)
-    state = step(r, "full_state", lambda: full_state(wrapped, optim))
+    step(r, "train_3_steps", lambda: [one_step() for _ in range(3)])
+    state = step(r, "full_state", lambda: full_state(wrapped, optim, strategy))
     if state is not None:
         weights, optim_state = state
         r["full_state"]["value"] = {"weights": len(weights), "optim_keys": sorted((optim_state or {}).keys())[:4]}
         named = {n.removeprefix("module."): v for n, v in weights.items()}
         moved = [n for n, v in named.items() if n in lora0 and not torch.equal(v.float().cpu(), lora0[n])]
         r["lora_moved"] = {"ok": bool(moved), "value": f"{len(moved)}/{len(weights)} trainable tensors differ from the start"}
+
+        def resume() -> str:
+            """One step from the saved state, then the state loaded back and the same step again: equal (exact resume)."""
+            one_step()
+            after = full_state(wrapped, optim, strategy)
+            load_full_state(wrapped, weights, optim, optim_state, strategy)
+            one_step()
+            again = full_state(wrapped, optim, strategy)
+            differ = [n for n in after[0] if not torch.equal(after[0][n], again[0][n])]
+            states = [t for t in _tensors(after[1]) if t.is_floating_point()]
+            differ += [f"optimizer tensor {i}" for i, (x, y) in enumerate(zip(states, (t for t in _tensors(again[1]) if t.is_floating_point())))
+                       if not torch.equal(x, y)]
+            if differ:
+                raise AssertionError(f"{len(differ)} tensors differ after load + the same step: {differ[:4]}")
+            return f"{len(after[0])} weights and {len(states)} optimizer tensors equal after load + the same step"
+
+        step(r, "resume_exact", resume)
     step(r, "greedy_rollout", lambda: generate(infer, ids[:, :8], torch.ones_like(ids[:, :8]), max_new_tokens=8,
                                                eos_token_id=-1, pad_token_id=0, greedy=True).sequences.shape[1])
     if device == "cuda":

@@ -16,7 +16,7 @@ flow() {  # flow NAME ARGS...: `rlhf run` timed, with the GPU sampled every 250 
   local mon; mon=$(gpumon "$OUT/gpu_$name.csv")
   local t0; t0=$(date +%s.%N)
   timeout "${FLOW_TIMEOUT:-540}" python3 -m flows.cli run "$@" > "$OUT/run_$name.log" 2>&1; local rc=$?
-  echo "rc=$rc wall_s=$(echo "$(date +%s.%N) - $t0" | bc)" >> "$OUT/run_$name.log"
+  echo "rc=$rc wall_s=$(python3 -c "import time; print(round(time.time() - $t0, 1))")" >> "$OUT/run_$name.log"
   kill "$mon"
   [ $rc = 0 ] || tail -30 ~/.prefect/rlhf-server.log >> "$OUT/run_$name.log" 2>/dev/null
   grep -E "^rlhf: |placement|peak memory|rc=|Error|error:" "$OUT/run_$name.log" | tail -25

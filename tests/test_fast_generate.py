@@ -161,6 +161,29 @@ def test_smaller_batches_and_repeated_calls_reuse_the_cache(setup):
         assert torch.equal(a.sequences, plain(model, ids[sl], mask[sl], eos, greedy=True).sequences), sl
 
 
+def test_a_new_graph_after_a_rollout_to_the_last_cache_column_stays_inside_the_cache(setup):
+    """A new sampling setting captures a new graph, whose warm-up steps run on the state buffers
+    left by the last rollout. When that rollout filled the cache to its last column (full-length
+    prompts, no row stopped), the warm-up must still start at column and position 0: it read RoPE
+    rows past max_len, a device-side assert on the H200 (bench/rollout_realistic.py)."""
+    model, ids, mask, _ = setup
+    n = 24 - ids.shape[1]
+    fg = FastGenerator(model, max_batch=4, max_len=ids.shape[1] + n)
+    assert fg.max_len == ids.shape[1] + n
+    fg.generate(ids, mask, max_new_tokens=n, eos_token_id=-1, pad_token_id=PAD, greedy=True)
+    assert int(fg._pos[:4].max()) == fg.max_len - 1  # the full-length row ended on the last column
+    if DEVICE == "cuda":  # the real path: a second key captures a graph, then the rollout equals the plain loop's
+        kw = dict(max_new_tokens=n, eos_token_id=-1, pad_token_id=PAD, temperature=0.7)
+        a = fg.generate(ids, mask, generator=torch.Generator(DEVICE).manual_seed(3), **kw)
+        b = generate(model, ids, mask, generator=torch.Generator(DEVICE).manual_seed(3), **kw)
+        assert torch.equal(a.sequences, b.sequences)
+    else:  # what _graph's warm-up and capture run (CUDA only), eagerly: three steps from _reset
+        fg._reset(4)
+        for _ in range(3):
+            fg._decode(4, lambda logits: logits.argmax(-1))
+        assert int(fg._pos[:4].max()) == 3
+
+
 def test_in_place_weight_update_is_picked_up():
     """An optimizer step changes parameters in place: the next (graph) decode must use them."""
     model = tiny("llama", seed=4)

@@ -372,7 +372,9 @@ class FastGenerator:
         self._bias[:b].fill_(torch.finfo(self.dtype).min)
         if attn is not None:
             self._bias[:b, 0, 0, :P].masked_fill_(attn.bool(), 0.0)
-            self._pos[:b] = attn.sum(-1)
+        # positions too: a graph's warm-up (no prompt) after a rollout that reached the last cache
+        # column would read RoPE rows past max_len (a device-side assert on the H200)
+        self._pos[:b] = attn.sum(-1) if attn is not None else 0
         self._col.fill_(P)
         self._step.zero_()
         self._finished[:b].zero_()

@@ -425,19 +425,25 @@ def agree_finished(strategy: str, device: str):
     return all_finished
 
 
-def full_state(model, optimizer=None) -> tuple[dict, dict | None]:
+def full_state(model, optimizer=None, strategy: str = "ddp", with_optimizer: bool = True) -> tuple[dict, dict | None]:
     """Trainable weights and optimizer state as full (unsharded) CPU tensors, keyed by parameter
-    name. Collective for sharded models: every rank calls it; rank 0's copy is complete."""
+    name (the PEFT model's names, whatever the wrapper). Collective for sharded models: every rank
+    calls it; rank 0's copy is complete. ColossalAI's strategies need the optimizer for the weights
+    too (ZeRO-2's fp32 master weights live in it); ``with_optimizer=False`` leaves its state out."""
+    if strategy.startswith("colossalai"):
+        return _colossalai_full_state(model, optimizer, strategy, with_optimizer)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
     weights = get_model_state_dict(model, options=opts)
-    optim = get_optimizer_state_dict(model, optimizer, options=opts) if optimizer is not None else None
+    optim = get_optimizer_state_dict(model, optimizer, options=opts) if optimizer is not None and with_optimizer else None
     return weights, optim
 
 
-def load_full_state(model, weights: dict, optimizer=None, optim_state: dict | None = None) -> None:
+def load_full_state(model, weights: dict, optimizer=None, optim_state: dict | None = None, strategy: str = "ddp") -> None:
     """Inverse of ``full_state``; every rank passes the same full dicts."""
+    if strategy.startswith("colossalai"):
+        return _colossalai_load_full_state(model, weights, optimizer, optim_state, strategy)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
     opts = StateDictOptions(full_state_dict=True, strict=False)
@@ -445,3 +451,63 @@ def load_full_state(model, weights: dict, optimizer=None, optim_state: dict | No
     assert not missing.unexpected_keys, f"checkpoint weights not in the model: {missing.unexpected_keys[:5]}"
     if optimizer is not None and optim_state is not None:
         set_optimizer_state_dict(model, optimizer, optim_state, options=opts)
+
+
+# ColossalAI's wrappers answer neither torch.distributed.checkpoint's state-dict functions nor each
+# other's API (issue 19, on the H200: "'LowLevelZeroOptimizer' object is not iterable", "'GeminiDDP'
+# object has no attribute 'base_model'"). ZeRO-2 keeps bf16 working weights whole on every rank
+# and the fp32 master weights flat, padded and split across ranks in the optimizer: the masters
+# are gathered (exact resume), and loading writes both. Gemini's own state_dict gathers its fp32
+# chunks (the frozen base weights, outside the chunks, are left out by name). The optimizer state
+# is each optimizer's own full state dict, keyed by parameter index: it loads back into the same
+# strategy only, which the PPO key includes (a checkpoint never crosses strategies).
+
+def _zero2_trainable(model, optimizer) -> list[tuple[str, object, object, object]]:
+    """(name, working parameter, fp32 master shard, process group) for each trainable parameter."""
+    masters = optimizer.get_working_to_master_map()
+    return [(n, p, masters[id(p)], optimizer.param_to_pg[p])
+            for n, p in model.unwrap(unwrap_peft=False).named_parameters() if p.requires_grad]
+
+
+def _colossalai_full_state(model, optimizer, strategy: str, with_optimizer: bool) -> tuple[dict, dict | None]:
+    import torch
+    import torch.distributed as dist
+
+    if strategy == "colossalai_zero2":
+        weights = {}
+        for name, p, master, pg in _zero2_trainable(model, optimizer):
+            shard = master.detach().to(p.device).contiguous()
+            full = torch.empty(shard.numel() * dist.get_world_size(pg), dtype=shard.dtype, device=p.device)
+            dist.all_gather_into_tensor(full, shard, group=pg)
+            weights[name] = full[: p.numel()].view(p.shape).cpu()
+        optim = optimizer.state_dict() if with_optimizer else None  # gathered on every rank
+    else:
+        trainable = [n for n, p in model.name2param.items() if p is not None and p.requires_grad]
+        state = model.state_dict(only_rank_0=False)
+        weights = {n: state[n].detach().cpu() for n in trainable}
+        optim = optimizer.state_dict(only_rank_0=False) if with_optimizer else None
+    return weights, optim
+
+
+def _colossalai_load_full_state(model, weights: dict, optimizer, optim_state: dict | None, strategy: str) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    if strategy == "colossalai_zero2":
+        trainable = {name: rest for name, *rest in _zero2_trainable(model, optimizer)}
+        unexpected = sorted(set(weights) - set(trainable))
+        assert not unexpected, f"checkpoint weights not in the model: {unexpected[:5]}"
+        with torch.no_grad():
+            for name, w in weights.items():
+                p, master, pg = trainable[name]
+                p.copy_(w.to(p.device, p.dtype))
+                world, rank = dist.get_world_size(pg), dist.get_rank(pg)
+                flat = w.to(master.dtype).flatten()
+                flat = F.pad(flat, [0, (world - flat.numel() % world) % world])
+                master.copy_(flat.chunk(world)[rank].to(master.device))
+    else:
+        missing = model.load_state_dict(weights, strict=False)
+        assert not missing.unexpected_keys, f"checkpoint weights not in the model: {missing.unexpected_keys[:5]}"
+    if optim_state is not None:
+        optimizer.load_state_dict(optim_state)

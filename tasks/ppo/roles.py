@@ -112,7 +112,7 @@ class _LearnerMixin:
         every rank calls it), every rank its RNG states. Returns the shard's ref as a dict."""
         from tasks.ppo.checkpoint import write_shard
 
-        weights, optim = full_state(self.model, self.optim)
+        weights, optim = full_state(self.model, self.optim, self.strategy)
         ref = write_shard(store, key, iteration, self.role, self.rank, weights if self.rank == 0 else None,
                           optim if self.rank == 0 else None, _rng_state(*self._generators()))
         return ref.model_dump(mode="json")
@@ -124,7 +124,7 @@ class _LearnerMixin:
         self.load_state(**read_shard(store, full, mine))
 
     def load_state(self, weights: dict, optim: dict, rng: dict) -> None:
-        load_full_state(self.model, weights, self.optim, optim)
+        load_full_state(self.model, weights, self.optim, optim, self.strategy)
         _set_rng_state(rng, *self._generators())
 
     def local_digest(self) -> float:
@@ -269,14 +269,15 @@ class PolicyWorker(_LearnerMixin, DistributedWorker):
         import tempfile
         from pathlib import Path
 
-        weights, _ = full_state(self.model)
+        weights, _ = full_state(self.model, self.optim, self.strategy, with_optimizer=False)
         if self.rank != 0:
             return None
         with tempfile.TemporaryDirectory() as tmp:
             from tasks.common.lora import save_adapter
 
             # the base weights stay untouched (as in SFT's adapter): no embedding copy
-            save_adapter(self.infer_model, tmp, state_dict=weights, selected_adapters=["default"], save_embedding_layers=False)
+            peft = self.infer_model.module if self.strategy == "colossalai_gemini" else self.infer_model  # GeminiDDP wraps the PeftModel
+            save_adapter(peft, tmp, state_dict=weights, selected_adapters=["default"], save_embedding_layers=False)
             return {p.name: p.read_bytes() for p in Path(tmp).iterdir() if p.is_file()}
 
 
