@@ -147,7 +147,7 @@ def table(results: dict) -> str:
             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for name, r in results.items():
         m = r["steady_mean_s"]
-        peaks = " / ".join(f"{r['roles'][k][0]['peak_allocated_gib']:.2f}" if r["roles"][k] and r["roles"][k][0] else "-"
+        peaks = " / ".join(f"{r['roles'][k][0].get('peak_allocated_gib', r['roles'][k][0].get('peak_rss_gib', 0)):.2f}" if r["roles"][k] and r["roles"][k][0] else "-"
                            for k in ROLES)
         used = "graph" if r["rollout"]["cuda_graphs"] else ("eager" if r["rollout"]["fast_generate"] else "off")
         rows.append(f"| {name} | {used} | {r['ppo']['compile']} | {m['iteration']:.3f} | {m['generate']:.3f} | {m['score']:.3f} | "

@@ -223,3 +223,38 @@ def test_make_experience_sums_weighted_terms():
     assert stats["reward_0_function_mean"] == pytest.approx(float(score.mean()))
     assert stats["reward_1_http_mean"] == pytest.approx(1.0)
     assert kl_k3(logp, logp).abs().max() == 0
+
+
+def test_make_experience_stops_on_a_non_finite_number_at_an_action_position_only():
+    """A role's NaN where the action mask is 1 stops the iteration with the role named; garbage
+    after a row's stop token (mask 0) is not an error (masked statistics select it away)."""
+    ros, lps, refs, scores, mask, logp, ref, score = _chunks()
+    cfg = PPOConfig(rollout_batch_size=8, train_batch_size=4)  # gae: a critic, a reward model term
+    values = [torch.zeros_like(p) for p in lps]
+    pol = [(p, torch.zeros_like(p)) for p in lps]
+    masked = (mask[: 4] == 0).nonzero()[0]  # a post-stop position of the first chunk
+    junk = values[0].clone()
+    junk[tuple(masked)] = float("nan")
+    *exps, _ = make_experience(cfg, 0.1, 2, *ros, *pol, *refs, junk, values[1], *scores)
+    assert all(torch.isfinite(e.advantages).all() and torch.isfinite(e.returns).all() for e in exps)
+    for where, parts, what in [
+        ("values", (*pol, *refs, values[0].index_put((torch.tensor([1]), torch.tensor([0])), torch.tensor(float("nan"))), values[1], *scores),
+         "the critic's values are not finite (nan) at 1 action positions in 1 of 8 rows"),
+        ("score", (*pol, *refs, *values, scores[0], scores[1].index_put((torch.tensor([2]),), torch.tensor(float("inf")))),
+         "the reward scores are not finite (inf) at 1 rows in 1 of 8 rows"),
+        ("logp", ((lps[0].index_put((torch.tensor([0]), torch.tensor([0])), torch.tensor(float("-inf"))), pol[0][1]), pol[1], *refs, *values, *scores),
+         "the actor's log-probs are not finite (-inf)"),
+    ]:
+        with pytest.raises(FloatingPointError, match=r"no learner trained on them") as e:
+            make_experience(cfg, 0.1, 2, *ros, *parts)
+        assert what in str(e.value), where
+
+
+def test_a_learner_refuses_a_non_finite_loss_before_its_optimizer_step():
+    from types import SimpleNamespace
+
+    from tasks.ppo.roles import _LearnerMixin
+
+    w = SimpleNamespace(role="critic", rank=0, strategy="ddp", optim=None)  # the optimizer is never reached
+    with pytest.raises(FloatingPointError, match=r"critic's loss is nan .*step was not taken.*ppo.critic_lr"):
+        _LearnerMixin._step(w, torch.tensor(float("nan"), requires_grad=True))

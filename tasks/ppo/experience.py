@@ -36,6 +36,24 @@ def loss_aggregation(ppo: PPOConfig):
     return sequence_mean if ppo.loss_aggregation == "sequence_mean" else token_mean
 
 
+def check_finite(named: dict[str, Tensor], mask: Tensor) -> None:
+    """Stop before any learner trains on a non-finite number a role computed: ``named`` maps what
+    it is ('the critic's values', ...) to (B, N) per-action tensors (checked where ``mask`` is 1)
+    or (B,) per-row ones. A NaN advantage turns every weight NaN in one step, and the run would go
+    on to publish them (seen on the H200: value_loss nan from the first iteration)."""
+    m = mask.bool()
+    for what, x in named.items():
+        bad = ~torch.isfinite(x) & (m if x.shape == m.shape else torch.ones_like(x, dtype=torch.bool))
+        if bad.any():
+            rows = bad.reshape(len(x), -1).any(-1)
+            raise FloatingPointError(
+                f"ppo: {what} are not finite ({', '.join(sorted({str(v) for v in x[bad].tolist()}))}) at {int(bad.sum())} "
+                f"{'action positions' if x.dim() > 1 else 'rows'} in {int(rows.sum())} of {len(x)} rows of this rollout batch; "
+                "no learner trained on them, and the checkpoints written so far are kept. Try ppo.compile 'off' (compiled "
+                "blocks) or model.dtype 'float32' to find which part overflows, and lower ppo.actor_lr / ppo.critic_lr when it "
+                "appears only after some iterations")
+
+
 def sequence_baseline(ppo: PPOConfig, score: Tensor) -> Tensor:
     """The per-response signal a critic-free estimator spreads over its tokens: (B,) -> (B,)."""
     from tasks.ppo.advantages import grpo_advantages, rloo_advantages
@@ -70,13 +88,14 @@ def make_experience(ppo: PPOConfig, kl_coef: float, n: int, *parts) -> tuple:
     score = sum(src.weight * s for src, s in zip(ppo.rewards, term_scores))
     if ppo.missing_eos_penalty is not None:
         score = apply_missing_eos_penalty(score, torch.cat([ro.ended_with_eos for ro in rollouts]), ppo.missing_eos_penalty)
+    v = torch.cat(list(values)) if ppo.uses_critic else torch.zeros_like(logp)
+    check_finite({"the actor's log-probs": logp, "the reference log-probs": ref_logp, "the reward scores": score,
+                  **({"the critic's values": v} if ppo.uses_critic else {})}, mask)
     kl = (kl_k1 if ppo.kl_estimator == "k1" else kl_k3)(logp, ref_logp)
     reward_kl_coef = kl_coef if ppo.kl_penalty == "reward" else 0.0
     if ppo.uses_critic:
-        v = torch.cat(list(values))
         adv, ret = gae(token_rewards(score, kl, mask, reward_kl_coef), v, mask, ppo.gamma, ppo.lam)
     else:
-        v = torch.zeros_like(logp)
         ret = returns_to_go(token_rewards(sequence_baseline(ppo, score), kl, mask, reward_kl_coef), mask, ppo.gamma)
         adv = ret
     if ppo.whiten:

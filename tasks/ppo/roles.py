@@ -98,6 +98,11 @@ class _LearnerMixin:
     """Shared by the two learners: optimizer step and state for checkpoints."""
 
     def _step(self, loss: Tensor) -> None:
+        if not bool(torch.isfinite(loss.detach())):  # a step on it would make every weight NaN
+            raise FloatingPointError(
+                f"ppo: the {self.role}'s loss is {float(loss.detach())} (rank {self.rank}); the step was not taken, and the "
+                "checkpoints written so far are kept. Try ppo.compile 'off' or model.dtype 'float32' to find which part "
+                f"overflows, or a lower ppo.{self.role}_lr")
         if self.strategy.startswith("colossalai"):
             self.optim.backward(loss)  # ZeRO's backward reduces the gradients; the plugin clips (wrap_learner)
         else:
