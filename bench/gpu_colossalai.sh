@@ -3,7 +3,7 @@
 #   .devcarry/flow-lean.tar.xz    ../shared/device/pack-flow.sh (prefect, ray, ... for the flow)
 #   .devcarry/colossalai.tar.xz   bench/pack_colossalai.sh (colossalai 0.5.0 + galore-torch + bitsandbytes
 #                                 with the cuda130 library only + contexttimer; about 4 MB)
-# both in the run's carry (`carry: [".devcarry"]`). Steps, each writing its logs to $OUT:
+# both in the run's carry (`carry: [".devcarry"]`). Steps, each writing its logs into $OUT/logs.tgz:
 #   bash bench/gpu_colossalai.sh probe zero2      # one device call (kernel builds + one flow run: ~5 min)
 #   bash bench/gpu_colossalai.sh gemini ddp       # a second call: Gemini and the DDP baseline beside it
 #   bash bench/gpu_colossalai.sh resume_zero2     # kill -9 after the first checkpoint, rerun, compare with `zero2`
@@ -12,7 +12,12 @@
 # colossalai_gemini / ddp, its own store each, summarised by bench/gpu_summary.py (samples/s, memory).
 # EXTRA="--set k=v ..." is added to the flow runs (e.g. the 0.3B model's config).
 set -uo pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+# every log and result goes to a work folder, bundled into $OUT/logs.tgz after each step and every 30 s
+# (the device returns a few files a call: eight, seen 2026-12-03; a step killed by the limit keeps its log so far)
+DEST=${OUT:-/tmp/out}; OUT=${GPU_LOGS:-/tmp/gpu-logs}; mkdir -p "$OUT" "$DEST"
+bundle() { tar -C "$OUT" -czf "$DEST/logs.tgz.part" . 2>/dev/null && mv -f "$DEST/logs.tgz.part" "$DEST/logs.tgz"; }
+( while sleep 30; do bundle; done ) & BUNDLER=$!
+trap 'kill $BUNDLER 2>/dev/null; bundle' EXIT
 [ -d /tmp/site/prefect ] || { mkdir -p /tmp/site && tar -C /tmp/site -xJf .devcarry/flow-lean.tar.xz; }
 [ -d /tmp/site-colossalai/colossalai ] || { mkdir -p /tmp/site-colossalai && tar -C /tmp/site-colossalai -xJf .devcarry/colossalai.tar.xz; }
 # the ColossalAI site last: it also holds a top-level package named `extensions` (colossalai's wheel ships one)
@@ -62,4 +67,5 @@ for step in "$@"; do
            echo "adapter sha uninterrupted: $(adapter_sha "/tmp/art-$s") (step $s in the same call, if it ran)" ;;
     *) echo "unknown step $step (probe zero2 gemini ddp resume_zero2 resume_gemini)" ;;
   esac
+  bundle
 done

@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # The GPU checks of the flow in one device call (issue 13): run from the project root on the GPU
 # machine with the packages of ../shared/device/pack-flow.sh in .devcarry/ (see bench/RESULTS.md).
-#   bash bench/gpu_run.sh tests default 1.5b 8b grpo   # each step writes its logs to $OUT
+#   bash bench/gpu_run.sh tests default 1.5b 8b grpo   # each step writes its logs into $OUT/logs.tgz
 #   bash bench/gpu_run.sh rollout match               # issue 18: realistic rollouts; the stage beside the bench
 # grpo = bench/grpo_iteration.py (GRPO n=8 vs PPO, 0.4B shape) and the embedded default with GRPO and the rule as reward.
 # default = the README's first command (`rlhf run`, embedded default, GPU by default); 1.5b / 8b =
 # bench/gpu_shapes.py's shapes through the flow; EXTRA="--set k=v ..." is added to their runs.
 set -uo pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+# every log and result goes to a work folder, bundled into $OUT/logs.tgz after each step and every 30 s
+# (the device returns a few files a call: eight, seen 2026-12-03; a step killed by the limit keeps its log so far)
+DEST=${OUT:-/tmp/out}; OUT=${GPU_LOGS:-/tmp/gpu-logs}; mkdir -p "$OUT" "$DEST"
+bundle() { tar -C "$OUT" -czf "$DEST/logs.tgz.part" . 2>/dev/null && mv -f "$DEST/logs.tgz.part" "$DEST/logs.tgz"; }
+( while sleep 30; do bundle; done ) & BUNDLER=$!
+trap 'kill $BUNDLER 2>/dev/null; bundle' EXIT
 [ -d /tmp/site/prefect ] || { mkdir -p /tmp/site && tar -C /tmp/site -xJf .devcarry/flow-lean.tar.xz; }
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 PREFECT_SERVER_ANALYTICS_ENABLED=false
 gpumon() { nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv,noheader,nounits -lms 250 > "$1" & echo $!; }
@@ -42,4 +47,5 @@ for step in "$@"; do
           rm -rf /tmp/art-grpo; flow grpo_default --set store.uri=file:///tmp/art-grpo --set ppo.advantage=grpo \
             --set ppo.n_samples_per_prompt=8 --set "ppo.rewards=[{kind: function, function: 'tasks.common.builtin:sentiment_reward'}]" ;;
   esac
+  bundle
 done
