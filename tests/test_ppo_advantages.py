@@ -256,5 +256,5 @@ def test_a_learner_refuses_a_non_finite_loss_before_its_optimizer_step():
     from tasks.ppo.roles import _LearnerMixin
 
     w = SimpleNamespace(role="critic", rank=0, strategy="ddp", optim=None)  # the optimizer is never reached
-    with pytest.raises(FloatingPointError, match=r"critic's loss is nan .*step was not taken.*ppo.critic_lr"):
+    with pytest.raises(FloatingPointError, match=r"critic.s loss is nan .*step was not taken.*ppo.critic_lr"):
         _LearnerMixin._step(w, torch.tensor(float("nan"), requires_grad=True))

@@ -36,6 +36,12 @@ def loss_aggregation(ppo: PPOConfig):
     return sequence_mean if ppo.loss_aggregation == "sequence_mean" else token_mean
 
 
+# what to try when a role computes a non-finite number (check_finite, and the learners' loss check)
+NONFINITE_ADVICE = ("the checkpoints written so far are kept. Try ppo.compile 'off' (compiled blocks) or model.dtype "
+                    "'float32' to find which part overflows, and a lower ppo.actor_lr / ppo.critic_lr when it appears only "
+                    "after some iterations")
+
+
 def check_finite(named: dict[str, Tensor], mask: Tensor) -> None:
     """Stop before any learner trains on a non-finite number a role computed: ``named`` maps what
     it is ('the critic's values', ...) to (B, N) per-action tensors (checked where ``mask`` is 1)
@@ -49,9 +55,7 @@ def check_finite(named: dict[str, Tensor], mask: Tensor) -> None:
             raise FloatingPointError(
                 f"ppo: {what} are not finite ({', '.join(sorted({str(v) for v in x[bad].tolist()}))}) at {int(bad.sum())} "
                 f"{'action positions' if x.dim() > 1 else 'rows'} in {int(rows.sum())} of {len(x)} rows of this rollout batch; "
-                "no learner trained on them, and the checkpoints written so far are kept. Try ppo.compile 'off' (compiled "
-                "blocks) or model.dtype 'float32' to find which part overflows, and lower ppo.actor_lr / ppo.critic_lr when it "
-                "appears only after some iterations")
+                f"no learner trained on them, and {NONFINITE_ADVICE}")
 
 
 def sequence_baseline(ppo: PPOConfig, score: Tensor) -> Tensor:

@@ -36,7 +36,7 @@ from storage.store import ArtifactRef
 from tasks.common.loop import autocast
 from tasks.common.model import checkpoint_blocks
 from tasks.ppo.config import PPOConfig
-from tasks.ppo.experience import Experience
+from tasks.ppo.experience import NONFINITE_ADVICE, Experience
 from tasks.ppo.fast_generate import fast_generate_applies
 from tasks.ppo.group import DistributedWorker, agree_finished, compile_blocks, full_state, load_full_state, wants_compile, wrap_learner
 from tasks.ppo.padding import attended_span, cut, pad_actions
@@ -100,9 +100,8 @@ class _LearnerMixin:
     def _step(self, loss: Tensor) -> None:
         if not bool(torch.isfinite(loss.detach())):  # a step on it would make every weight NaN
             raise FloatingPointError(
-                f"ppo: the {self.role}'s loss is {float(loss.detach())} (rank {self.rank}); the step was not taken, and the "
-                "checkpoints written so far are kept. Try ppo.compile 'off' or model.dtype 'float32' to find which part "
-                f"overflows, or a lower ppo.{self.role}_lr")
+                f"ppo: the {self.role}'s loss is {float(loss.detach())} (rank {self.rank}); the step was not taken, and "
+                f"{NONFINITE_ADVICE}")
         if self.strategy.startswith("colossalai"):
             self.optim.backward(loss)  # ZeRO's backward reduces the gradients; the plugin clips (wrap_learner)
         else:
