@@ -12,33 +12,14 @@
 # colossalai_gemini / ddp, its own store each, summarised by bench/gpu_summary.py (samples/s, memory).
 # EXTRA="--set k=v ..." is added to the flow runs (e.g. the 0.3B model's config).
 set -uo pipefail
-# every log and result goes to a work folder, bundled into $OUT/logs.tgz after each step and every 30 s
-# (the device returns a few files a call: eight, seen 2026-12-03; a step killed by the limit keeps its log so far)
-DEST=${OUT:-/tmp/out}; OUT=${GPU_LOGS:-/tmp/gpu-logs}; mkdir -p "$OUT" "$DEST"
-bundle() { tar -C "$OUT" -czf "$DEST/logs.tgz.part" . 2>/dev/null && mv -f "$DEST/logs.tgz.part" "$DEST/logs.tgz"; }
-( while sleep 30; do bundle; done ) & BUNDLER=$!
-trap 'kill $BUNDLER 2>/dev/null; bundle' EXIT
-[ -d /tmp/site/prefect ] || { mkdir -p /tmp/site && tar -C /tmp/site -xJf .devcarry/flow-lean.tar.xz; }
+FLOW_TIMEOUT_DEFAULT=420; source "$(dirname "$0")/gpu_common.sh"   # bundle, /tmp/site, gpumon, flow
 [ -d /tmp/site-colossalai/colossalai ] || { mkdir -p /tmp/site-colossalai && tar -C /tmp/site-colossalai -xJf .devcarry/colossalai.tar.xz; }
 # the ColossalAI site last: it also holds a top-level package named `extensions` (colossalai's wheel ships one)
-export PYTHONPATH=/tmp/site:$PWD:/tmp/site-colossalai PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 \
-  PREFECT_SERVER_ANALYTICS_ENABLED=false
+export PYTHONPATH=/tmp/site:$PWD:/tmp/site-colossalai
 # HybridAdam's kernels are JIT-built at first use (torch.utils.cpp_extension + ninja + nvcc): Hopper only, all cores
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-$(nproc)}
 python3 -c "import torch, transformers, peft; print('torch', torch.__version__, torch.version.cuda, '| transformers', transformers.__version__, '| peft', peft.__version__)"
 python3 -m pip list 2>/dev/null | grep -iE "^(colossalai|bitsandbytes|galore|einops|contexttimer) " ; nvcc --version | tail -2
-gpumon() { nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv,noheader,nounits -lms 250 > "$1" & echo $!; }
-flow() {  # flow NAME ARGS...: `rlhf run` timed, the GPU sampled every 250 ms
-  local name=$1; shift
-  local mon; mon=$(gpumon "$OUT/gpu_$name.csv")
-  local t0; t0=$(date +%s.%N)
-  timeout "${FLOW_TIMEOUT:-420}" python3 -m flows.cli run "$@" ${EXTRA:-} > "$OUT/run_$name.log" 2>&1; local rc=$?
-  echo "rc=$rc wall_s=$(python3 -c "import time; print(round(time.time() - $t0, 1))")" >> "$OUT/run_$name.log"
-  kill "$mon"
-  [ $rc = 0 ] || { grep -n -B2 -A25 "Traceback" "$OUT/run_$name.log" | head -80; tail -30 ~/.prefect/rlhf-server.log >> "$OUT/run_$name.log" 2>/dev/null; }
-  grep -E "^rlhf: |placement|peak memory|rc=|Error|error:" "$OUT/run_$name.log" | tail -25
-  return $rc
-}
 strategy_of() { case $1 in zero2) echo colossalai_zero2 ;; gemini) echo colossalai_gemini ;; *) echo "$1" ;; esac; }
 adapter_sha() {  # the final PPO adapter's sha256 from its manifest
   python3 -c "import json, glob; m = [json.load(open(p)) for p in glob.glob('$1/ppo/*/MANIFEST.json')]; m = [x for x in m if x['kind'] == 'ppo_actor']; print(m[0]['files']['adapter/adapter_model.safetensors']['sha256'] if m else 'no ppo_actor')"
@@ -54,7 +35,7 @@ for step in "$@"; do
     probe) timeout "${PROBE_TIMEOUT:-480}" python3 bench/colossalai_probe.py --out "$OUT/probe.json" > "$OUT/probe.log" 2>&1; echo "rc=$?"
            grep -E "^probe:|^\{" "$OUT/probe.log" | cut -c1-1500 ;;
     zero2|gemini|ddp) rm -rf "/tmp/art-$step"; seed_store "/tmp/art-$step"
-           flow "$step" --set store.uri="file:///tmp/art-$step" --set ppo.strategy="$(strategy_of "$step")"
+           flow "$step" --set store.uri="file:///tmp/art-$step" --set ppo.strategy="$(strategy_of "$step")" ${EXTRA:-}
            python3 bench/gpu_summary.py "/tmp/art-$step" "$OUT/gpu_$step.csv" > "$OUT/summary_$step.json"; cat "$OUT/summary_$step.json" ;;
     resume_zero2|resume_gemini) s=${step#resume_}; store=/tmp/art-$step; rm -rf "$store"
            seed_store "$store"; args=(--set store.uri="file://$store" --set ppo.strategy="$(strategy_of "$s")")
@@ -62,7 +43,7 @@ for step in "$@"; do
            for _ in $(seq 300); do compgen -G "$store/ppo/*-ckpt/iter-*/MANIFEST.json" > /dev/null && break; sleep 1; done
            kill -9 -- -"$pid" 2>/dev/null; wait "$pid" 2>/dev/null
            echo "killed after checkpoint(s): $(ls -d "$store"/ppo/*-ckpt/iter-* 2>/dev/null | xargs -n1 basename | tr '\n' ' ')"
-           flow "$step" "${args[@]}"; grep -iE "resum" "$OUT/run_$step.log" | head -3
+           flow "$step" "${args[@]}" ${EXTRA:-}; grep -iE "resum" "$OUT/run_$step.log" | head -3
            echo "adapter sha resumed:       $(adapter_sha "$store")"
            echo "adapter sha uninterrupted: $(adapter_sha "/tmp/art-$s") (step $s in the same call, if it ran)" ;;
     *) echo "unknown step $step (probe zero2 gemini ddp resume_zero2 resume_gemini)" ;;
