@@ -258,3 +258,18 @@ def test_a_learner_refuses_a_non_finite_loss_before_its_optimizer_step():
     w = SimpleNamespace(role="critic", rank=0, strategy="ddp", optim=None)  # the optimizer is never reached
     with pytest.raises(FloatingPointError, match=r"critic.s loss is nan .*step was not taken.*ppo.critic_lr"):
         _LearnerMixin._step(w, torch.tensor(float("nan"), requires_grad=True))
+
+
+def test_a_learner_refuses_a_non_finite_gradient_and_leaves_the_weights_as_they_were():
+    from types import SimpleNamespace
+
+    from tasks.ppo.roles import _LearnerMixin
+
+    w = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+    optim = torch.optim.Adam([w], lr=0.1)
+    learner = SimpleNamespace(role="actor", rank=0, strategy="ddp", optim=optim, params=[w], ppo=SimpleNamespace(max_grad_norm=1.0))
+    w.register_hook(lambda g: g * float("inf"))  # a finite loss whose backward overflows
+    loss = w.sum()
+    with pytest.raises(FloatingPointError, match=r"actor.s gradient norm is (inf|nan) .*step was not taken"):
+        _LearnerMixin._step(learner, loss)
+    assert torch.equal(w.detach(), torch.tensor([1.0, 2.0]))

@@ -462,6 +462,29 @@ def load_full_state(model, weights: dict, optimizer=None, optim_state: dict | No
 # is each optimizer's own full state dict, keyed by parameter index: it loads back into the same
 # strategy only, which the PPO key includes (a checkpoint never crosses strategies).
 
+def prime_cpu_adam(optimizer) -> None:
+    """Make ColossalAI's CPU Adam step independent of what it stepped before: call before each step.
+
+    Its C++ kernel object keeps ``beta ** step`` between calls: the first tensor of a step gets the
+    previous value times beta, the others ``pow(beta, step)``, so after a resume (a new kernel
+    object, or one that ran ahead) the first tensor's update differs in its last bits (seen on the
+    H200: 1 of 16 LoRA tensors after load + the same step). Calling the kernel once on a scratch
+    tensor with the state's step sets its cache as every step leaves it, from the step count alone.
+    No-op for any other optimizer, and for HybridAdam's tensors on the GPU (stepless fused kernel)."""
+    import torch
+
+    inner = optimizer
+    while not hasattr(inner, "cpu_adam_op") and hasattr(inner, "optim"):  # the plugins' wrappers
+        inner = inner.optim
+    op = getattr(inner, "cpu_adam_op", None)
+    if op is None:
+        return
+    step = max((int(s["step"]) for s in inner.state.values() if "step" in s), default=0)
+    g = inner.param_groups[0]
+    scratch = [torch.zeros(1) for _ in range(4)]  # param, grad, exp_avg, exp_avg_sq
+    op.step(step, g["lr"], g["betas"][0], g["betas"][1], g["eps"], g["weight_decay"], g["bias_correction"], *scratch, -1)
+
+
 def _zero2_trainable(model, optimizer) -> list[tuple[str, object, object, object]]:
     """(name, working parameter, fp32 master shard, process group) for each trainable parameter."""
     masters = optimizer.get_working_to_master_map()

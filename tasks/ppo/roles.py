@@ -38,7 +38,7 @@ from tasks.common.model import checkpoint_blocks
 from tasks.ppo.config import PPOConfig
 from tasks.ppo.experience import NONFINITE_ADVICE, Experience
 from tasks.ppo.fast_generate import fast_generate_applies
-from tasks.ppo.group import DistributedWorker, agree_finished, compile_blocks, full_state, load_full_state, wants_compile, wrap_learner
+from tasks.ppo.group import DistributedWorker, agree_finished, compile_blocks, full_state, load_full_state, prime_cpu_adam, wants_compile, wrap_learner
 from tasks.ppo.padding import attended_span, cut, pad_actions
 
 
@@ -104,9 +104,14 @@ class _LearnerMixin:
                 f"{NONFINITE_ADVICE}")
         if self.strategy.startswith("colossalai"):
             self.optim.backward(loss)  # ZeRO's backward reduces the gradients; the plugin clips (wrap_learner)
+            prime_cpu_adam(self.optim)  # exact resume (tasks/ppo/group.py)
         else:
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.params, self.ppo.max_grad_norm)
+            norm = torch.nn.utils.clip_grad_norm_(self.params, self.ppo.max_grad_norm)
+            if not bool(torch.isfinite(norm)):  # a finite loss, a non-finite gradient: same stop, before the step
+                raise FloatingPointError(
+                    f"ppo: the {self.role}'s gradient norm is {float(norm)} (rank {self.rank}); the step was not taken, "
+                    f"and {NONFINITE_ADVICE}")
         self.optim.step()
         self.optim.zero_grad(set_to_none=True)
 
