@@ -4,7 +4,7 @@
 #   bash bench/gpu_run.sh tests default 1.5b 8b grpo   # each step writes its logs into $OUT/logs.tgz
 #   bash bench/gpu_run.sh rollout match               # issue 18: realistic rollouts; the stage beside the bench
 #   bash bench/gpu_run.sh nan stage                   # issue 18: which forward turns NaN on the GPU (bench/nan_probe.py); the
-#                                                     # 0.3b stage compiled and eager, stopping at the first non-finite number
+#                                                     # 0.3b stage (fast and plain rollouts), stopping at the first non-finite number
 # grpo = bench/grpo_iteration.py (GRPO n=8 vs PPO, 0.4B shape) and the embedded default with GRPO and the rule as reward.
 # default = the README's first command (`rlhf run`, embedded default, GPU by default); 1.5b / 8b =
 # bench/gpu_shapes.py's shapes through the flow; EXTRA="--set k=v ..." is added to their runs.
@@ -22,8 +22,8 @@ for step in "$@"; do
              flow "$step" --config /tmp/s-$step/rlhf.yaml ${EXTRA:-}
              python3 bench/gpu_summary.py /tmp/s-$step/artifacts "$OUT/gpu_$step.csv" > "$OUT/summary_$step.json"; cat "$OUT/summary_$step.json" ;;
     nan) timeout 240 python3 bench/nan_probe.py --out "$OUT/nan_probe.json" > "$OUT/nan_probe.log" 2>&1; grep -E "^(critic|actor) " "$OUT/nan_probe.log" ;;
-    stage) timeout 400 python3 bench/ppo_stage_gpu.py --runs 0.3b,0.3b-eager --out "$OUT/ppo_stage_gpu.json" > "$OUT/stage.log" 2>&1
-           grep -E "FloatingPointError|not finite|gradient norm|loss is" "$OUT/stage.log" | cut -c1-600 | sort | uniq -c | head; tail -8 "$OUT/stage.log" ;;
+    stage) timeout 400 python3 bench/ppo_stage_gpu.py --runs ${STAGE_RUNS:-0.3b,0.3b-plain} --out "$OUT/ppo_stage_gpu.json" > "$OUT/stage.log" 2>&1
+           grep -E "FloatingPointError|not finite|gradient norm|loss is" "$OUT/stage.log" | cut -c1-1200 | sort | uniq -c | head; tail -8 "$OUT/stage.log" ;;
     rollout) timeout 240 python3 bench/rollout_realistic.py --out "$OUT/rollout_realistic.json" > "$OUT/rollout.log" 2>&1; tail -7 "$OUT/rollout.log" ;;
     match)  # issue 18: the PPO stage and the in-process iteration on one workload (bench/ppo_stage_gpu.py's 0.3b run)
             timeout 240 python3 bench/ppo_iteration.py --batch 64 --prompt-len 11 --new-tokens 64 --vocab 512 --lora-actor 32 \

@@ -267,9 +267,11 @@ def test_a_learner_refuses_a_non_finite_gradient_and_leaves_the_weights_as_they_
 
     w = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
     optim = torch.optim.Adam([w], lr=0.1)
-    learner = SimpleNamespace(role="actor", rank=0, strategy="ddp", optim=optim, params=[w], ppo=SimpleNamespace(max_grad_norm=1.0))
+    learner = SimpleNamespace(role="actor", rank=0, strategy="ddp", optim=optim, params=[w], model=torch.nn.ParameterList([w]),
+                              ppo=SimpleNamespace(max_grad_norm=1.0))
     w.register_hook(lambda g: g * float("inf"))  # a finite loss whose backward overflows
     loss = w.sum()
-    with pytest.raises(FloatingPointError, match=r"actor.s gradient norm is (inf|nan) .*step was not taken"):
-        _LearnerMixin._step(learner, loss)
+    with pytest.raises(FloatingPointError, match=r"actor.s gradient norm is (inf|nan) .*1 gradient tensors not finite.*step was not taken") as e:
+        _LearnerMixin._step(learner, loss, {"old log-probs": torch.tensor([0.0, float("-inf")])})
+    assert "old log-probs: 1 of 2 not finite" in str(e.value)
     assert torch.equal(w.detach(), torch.tensor([1.0, 2.0]))

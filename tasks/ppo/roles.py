@@ -94,10 +94,22 @@ def active_adapter(model, name: str):
             m._active_adapter = b
 
 
+def _nonfinite_report(model, inputs: dict[str, Tensor] | None) -> str:
+    """Which gradient tensors and loss inputs hold non-finite numbers, for the learners' stop."""
+    bad = [n for n, p in model.named_parameters() if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
+    parts = [f"{len(bad)} gradient tensors not finite, the first {bad[0]}" if bad else "every gradient tensor finite"]
+    for name, t in (inputs or {}).items():
+        n = int((~torch.isfinite(t.detach())).sum())
+        parts.append(f"{name}: {n} of {t.numel()} not finite, max |x| {float(t.detach().float().nan_to_num(0, 0, 0).abs().max()):.3g}")
+    return "; ".join(parts)
+
+
 class _LearnerMixin:
     """Shared by the two learners: optimizer step and state for checkpoints."""
 
-    def _step(self, loss: Tensor) -> None:
+    def _step(self, loss: Tensor, inputs: dict[str, Tensor] | None = None) -> None:
+        """One optimizer step on ``loss``; stops before it on a non-finite loss or gradient norm,
+        naming the gradient tensors and the loss ``inputs`` (name -> (B, N) tensor) that are not finite."""
         if not bool(torch.isfinite(loss.detach())):  # a step on it would make every weight NaN
             raise FloatingPointError(
                 f"ppo: the {self.role}'s loss is {float(loss.detach())} (rank {self.rank}); the step was not taken, and "
@@ -110,8 +122,8 @@ class _LearnerMixin:
             norm = torch.nn.utils.clip_grad_norm_(self.params, self.ppo.max_grad_norm)
             if not bool(torch.isfinite(norm)):  # a finite loss, a non-finite gradient: same stop, before the step
                 raise FloatingPointError(
-                    f"ppo: the {self.role}'s gradient norm is {float(norm)} (rank {self.rank}); the step was not taken, "
-                    f"and {NONFINITE_ADVICE}")
+                    f"ppo: the {self.role}'s gradient norm is {float(norm)} (rank {self.rank}; {_nonfinite_report(self.model, inputs)}); "
+                    f"the step was not taken, and {NONFINITE_ADVICE}")
         self.optim.step()
         self.optim.zero_grad(set_to_none=True)
 
@@ -259,7 +271,8 @@ class PolicyWorker(_LearnerMixin, DistributedWorker):
                         ptx = self._ptx_loss()
                         loss = loss + self.ppo.ptx_coef * ptx
                         stats["ptx_loss"] += float(ptx.detach())
-                self._step(loss)
+                self._step(loss, {"log-probs": logp, "old log-probs": e.logprobs, "advantages": e.advantages,
+                                  "log-ratio": logp - e.logprobs})
                 stats["policy_loss"] += float(pl.loss.detach())
                 stats["clip_fraction"] += float(pl.clip_fraction)
                 stats["approx_kl"] += float(pl.approx_kl)
@@ -409,6 +422,6 @@ class CriticWorker(_LearnerMixin, DistributedWorker):
                 with autocast(self.device):
                     v = self.model(e.sequences, e.attention_mask, e.action_mask.shape[1])
                     vl = value_loss(v, e.values, e.returns, e.action_mask, self.ppo.value_clip)
-                self._step(vl.loss)
+                self._step(vl.loss, {"values": v, "old values": e.values, "returns": e.returns})
                 loss_sum, clip_sum, steps = loss_sum + float(vl.loss.detach()), clip_sum + float(vl.clip_fraction), steps + 1
         return {"value_loss": loss_sum / steps, "value_clip_fraction": clip_sum / steps}
