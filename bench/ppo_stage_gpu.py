@@ -15,7 +15,8 @@ iterations); ``0.3b`` is a random-weight Llama (bench/common.py's 0.4b shape, d 
 MLP 2816, with the built-in 512-token vocabulary instead of 32000, so 0.31B parameters) saved
 with the built-in tokenizer as a local ``model.pretrain``, short SFT / RM, and PPO at batch 64
 with 64 new tokens (ppo.compile 'auto': the learners' blocks compiled); ``0.3b-plain`` is the
-same PPO with ppo.fast_generate 'off', ``0.3b-eager`` with ppo.compile 'off'.
+same PPO with ppo.fast_generate 'off', ``0.3b-eager`` with ppo.compile 'off', ``0.3b-fsdp`` with
+ppo.strategy 'fsdp', ``0.3b-fp32`` with model.dtype 'float32'.
 """
 
 from __future__ import annotations
@@ -86,6 +87,8 @@ def runs(device: str, iters: int | None, big_model: str | None) -> dict[str, tup
         out["0.3b"] = (model, sft, rm, big)
         out["0.3b-plain"] = (model, sft, rm, big.model_copy(update={"fast_generate": "off"}))
         out["0.3b-eager"] = (model, sft, rm, big.model_copy(update={"compile": "off"}))
+        out["0.3b-fsdp"] = (model, sft, rm, big.model_copy(update={"strategy": "fsdp"}))
+        out["0.3b-fp32"] = (model.model_copy(update={"dtype": "float32"}), sft, rm, big)
     return out
 
 
@@ -158,7 +161,7 @@ def table(results: dict) -> str:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    ap.add_argument("--runs", default="tiny,0.3b,0.3b-plain", help="comma-separated: tiny, 0.3b, 0.3b-plain, 0.3b-eager")
+    ap.add_argument("--runs", default="tiny,0.3b,0.3b-plain", help="comma-separated: tiny, 0.3b, 0.3b-plain, 0.3b-eager, 0.3b-fsdp, 0.3b-fp32")
     ap.add_argument("--iters", type=int, default=None, help="PPO iterations per run (default: tiny 10, 0.3b 4)")
     ap.add_argument("--big-shape", default="0.4b", choices=sorted(SHAPES), help="bench/common.py shape of the 0.3b runs (tiny: smoke run)")
     ap.add_argument("--out", default="bench/results/ppo_stage_gpu.json")

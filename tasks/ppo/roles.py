@@ -97,7 +97,9 @@ def active_adapter(model, name: str):
 def _nonfinite_report(model, inputs: dict[str, Tensor] | None) -> str:
     """Which gradient tensors and loss inputs hold non-finite numbers, for the learners' stop."""
     bad = [n for n, p in model.named_parameters() if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
-    parts = [f"{len(bad)} gradient tensors not finite, the first {bad[0]}" if bad else "every gradient tensor finite"]
+    total = sum(p.grad is not None for p in model.parameters())
+    parts = [f"{len(bad)} of {total} gradient tensors not finite: {', '.join(bad[:3])}{' ... ' + ', '.join(bad[-3:]) if len(bad) > 6 else ''}"
+             if bad else "every gradient tensor finite"]
     for name, t in (inputs or {}).items():
         n = int((~torch.isfinite(t.detach())).sum())
         parts.append(f"{name}: {n} of {t.numel()} not finite, max |x| {float(t.detach().float().nan_to_num(0, 0, 0).abs().max()):.3g}")
@@ -119,11 +121,13 @@ class _LearnerMixin:
             prime_cpu_adam(self.optim)  # exact resume (tasks/ppo/group.py)
         else:
             loss.backward()
-            norm = torch.nn.utils.clip_grad_norm_(self.params, self.ppo.max_grad_norm)
+            # the norm first, clipping after the check: clipping by a NaN norm makes every gradient NaN
+            norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
             if not bool(torch.isfinite(norm)):  # a finite loss, a non-finite gradient: same stop, before the step
                 raise FloatingPointError(
                     f"ppo: the {self.role}'s gradient norm is {float(norm)} (rank {self.rank}; {_nonfinite_report(self.model, inputs)}); "
                     f"the step was not taken, and {NONFINITE_ADVICE}")
+            torch.nn.utils.clip_grads_with_norm_(self.params, self.ppo.max_grad_norm, norm)
         self.optim.step()
         self.optim.zero_grad(set_to_none=True)
 
