@@ -18,7 +18,8 @@ FLOW_TIMEOUT_DEFAULT=420; source "$(dirname "$0")/gpu_common.sh"   # bundle, /tm
 export PYTHONPATH=/tmp/site:$PWD:/tmp/site-colossalai
 # HybridAdam's kernels are JIT-built at first use (torch.utils.cpp_extension + ninja + nvcc): Hopper only, all cores
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-$(nproc)}
-# ... into ~/.cache/colossalai; the probe sends the built .so files back (colossalai-kernels.tgz, 17 MB) for later calls to carry
+# ... into ~/.cache/colossalai; the probe sends that folder back (colossalai-kernels.tgz, 9.4 MB) for later calls to carry. The
+# whole folder: with the .so files alone, ninja rebuilt them in every role's process (38 s each, seen 2026-12-03)
 KERNELS=.devcarry/colossalai-kernels.tgz
 if [ -f $KERNELS ]; then tar -C ~ -xzf $KERNELS && echo "kernels: carried"; else KERNELS=; fi
 python3 -c "import torch, transformers, peft; print('torch', torch.__version__, torch.version.cuda, '| transformers', transformers.__version__, '| peft', peft.__version__)"
@@ -37,7 +38,7 @@ for step in "$@"; do
   case $step in
     probe) timeout "${PROBE_TIMEOUT:-480}" python3 bench/colossalai_probe.py --out "$OUT/probe.json" > "$OUT/probe.log" 2>&1; echo "rc=$?"
            grep -E "^probe:|^\{" "$OUT/probe.log" | cut -c1-1500
-           [ -n "$KERNELS" ] || [ ! -d ~/.cache/colossalai ] || (cd ~ && tar -czf "$DEST/colossalai-kernels.tgz" $(find .cache/colossalai -name "*.so")) ;;
+           [ -n "$KERNELS" ] || [ ! -d ~/.cache/colossalai ] || tar -C ~ -czf "$DEST/colossalai-kernels.tgz" .cache/colossalai ;;
     zero2|gemini|ddp) rm -rf "/tmp/art-$step"; seed_store "/tmp/art-$step"
            flow "$step" --set store.uri="file:///tmp/art-$step" --set ppo.strategy="$(strategy_of "$step")" ${EXTRA:-}
            python3 bench/gpu_summary.py "/tmp/art-$step" "$OUT/gpu_$step.csv" > "$OUT/summary_$step.json"; cat "$OUT/summary_$step.json" ;;
