@@ -29,7 +29,8 @@ def main(root: str, csv: str) -> dict:
                 steady = steps[1:] or steps
                 batch = m["config"].get("ppo", {}).get("rollout_batch_size") or m["config"].get("rollout_batch_size")
                 it_s = sum(h["time/iteration_s"] for h in steady) / len(steady)
-                out["ppo"] = {"iterations": len(steps), "first_iteration_s": steps[0]["time/iteration_s"], "steady_iteration_s": it_s,
+                out["ppo"] = {"iterations": len(steps), "iterations_total_s": sum(h["time/iteration_s"] for h in steps),
+                              "first_iteration_s": steps[0]["time/iteration_s"], "steady_iteration_s": it_s,
                               "rollout_batch_size": batch, "samples_per_s": batch / it_s if batch else None,
                               "phases_s_mean": {k: sum(h[k] for h in steady) / len(steady) for k in steady[0] if k.startswith("time/")},
                               "memory": {k: v for k, v in m["metrics"].items() if k.startswith("memory/")},
@@ -46,13 +47,17 @@ def main(root: str, csv: str) -> dict:
         out["gpu"] = {"samples": len(rows), "busy_share_whole_run": sum(u > 0 for _, u, _ in rows) / len(rows),
                       "mean_util_whole_run": sum(u for _, u, _ in rows) / len(rows), "max_memory_used_mib": max(m for _, _, m in rows)}
         st = out["stages"]
-        if "ppo" in st and "sft" in st and "rm" in st:  # the PPO stage's span: from the later of SFT/RM to PPO's manifest
-            t = {k: datetime.fromisoformat(st[k]["created_at"]).replace(tzinfo=None) for k in ("sft", "rm", "ppo")}
-            span = [u for ts, u, _ in rows if max(t["sft"], t["rm"]) <= ts <= t["ppo"]]
+        if "ppo" in out:  # the PPO iterations' span: their summed time, back from PPO's manifest (not from SFT/RM's,
+            # which a store seeded with another run's artifacts dates from that run)
+            from datetime import timedelta
+
+            end = datetime.fromisoformat(st["ppo"]["created_at"]).replace(tzinfo=None)
+            start = end - timedelta(seconds=out["ppo"]["iterations_total_s"])
+            span = [u for ts, u, _ in rows if start <= ts <= end]
             if span:
-                out["gpu"]["ppo_stage_s"] = (t["ppo"] - max(t["sft"], t["rm"])).total_seconds()
-                out["gpu"]["busy_share_ppo_stage"] = sum(u > 0 for u in span) / len(span)
-                out["gpu"]["mean_util_ppo_stage"] = sum(span) / len(span)
+                out["gpu"]["ppo_iterations_s"] = out["ppo"]["iterations_total_s"]
+                out["gpu"]["busy_share_ppo_iterations"] = sum(u > 0 for u in span) / len(span)
+                out["gpu"]["mean_util_ppo_iterations"] = sum(span) / len(span)
     return out
 
 

@@ -146,7 +146,7 @@ def run_one(name, model, sft_cfg, rm_cfg, ppo_cfg, store, stats: RoleStats) -> d
 
 
 def table(results: dict) -> str:
-    rows = ["| run | rollout | ppo.compile | s/iter (steady) | generate | score | learn | samples/s | first iter s | peak GiB actor / critic / initial / reward |",
+    rows = ["| run | rollout | ppo.compile | s/iter (steady) | generate | score | learn | samples/s | first iter s | peak GiB actor / critic / initial / reward (GPU allocated; on CPU, process RSS) |",
             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for name, r in results.items():
         m = r["steady_mean_s"]
