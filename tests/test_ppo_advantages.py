@@ -272,6 +272,6 @@ def test_a_learner_refuses_a_non_finite_gradient_and_leaves_the_weights_as_they_
     w.register_hook(lambda g: g * float("inf"))  # a finite loss whose backward overflows
     loss = w.sum()
     with pytest.raises(FloatingPointError, match=r"actor.s gradient norm is (inf|nan) .*1 of 1 gradient tensors not finite: 0;.*step was not taken") as e:
-        _LearnerMixin._step(learner, loss, {"old log-probs": torch.tensor([0.0, float("-inf")])})
+        _LearnerMixin._step(learner, loss, lambda: {"old log-probs": torch.tensor([0.0, float("-inf")])})
     assert "old log-probs: 1 of 2 not finite" in str(e.value)
     assert torch.equal(w.detach(), torch.tensor([1.0, 2.0]))

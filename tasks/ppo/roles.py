@@ -94,13 +94,13 @@ def active_adapter(model, name: str):
             m._active_adapter = b
 
 
-def _nonfinite_report(model, inputs: dict[str, Tensor] | None) -> str:
+def _nonfinite_report(model, inputs: dict[str, Tensor]) -> str:
     """Which gradient tensors and loss inputs hold non-finite numbers, for the learners' stop."""
     bad = [n for n, p in model.named_parameters() if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
     total = sum(p.grad is not None for p in model.parameters())
     parts = [f"{len(bad)} of {total} gradient tensors not finite: {', '.join(bad[:3])}{' ... ' + ', '.join(bad[-3:]) if len(bad) > 6 else ''}"
              if bad else "every gradient tensor finite"]
-    for name, t in (inputs or {}).items():
+    for name, t in inputs.items():
         n = int((~torch.isfinite(t.detach())).sum())
         parts.append(f"{name}: {n} of {t.numel()} not finite, max |x| {float(t.detach().float().nan_to_num(0, 0, 0).abs().max()):.3g}")
     return "; ".join(parts)
@@ -109,9 +109,10 @@ def _nonfinite_report(model, inputs: dict[str, Tensor] | None) -> str:
 class _LearnerMixin:
     """Shared by the two learners: optimizer step and state for checkpoints."""
 
-    def _step(self, loss: Tensor, inputs: dict[str, Tensor] | None = None) -> None:
+    def _step(self, loss: Tensor, inputs=dict) -> None:
         """One optimizer step on ``loss``; stops before it on a non-finite loss or gradient norm,
-        naming the gradient tensors and the loss ``inputs`` (name -> (B, N) tensor) that are not finite."""
+        naming the gradient tensors and the loss inputs that are not finite (``inputs()`` -> name ->
+        tensor, called only then)."""
         if not bool(torch.isfinite(loss.detach())):  # a step on it would make every weight NaN
             raise FloatingPointError(
                 f"ppo: the {self.role}'s loss is {float(loss.detach())} (rank {self.rank}); the step was not taken, and "
@@ -125,7 +126,7 @@ class _LearnerMixin:
             norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
             if not bool(torch.isfinite(norm)):  # a finite loss, a non-finite gradient: same stop, before the step
                 raise FloatingPointError(
-                    f"ppo: the {self.role}'s gradient norm is {float(norm)} (rank {self.rank}; {_nonfinite_report(self.model, inputs)}); "
+                    f"ppo: the {self.role}'s gradient norm is {float(norm)} (rank {self.rank}; {_nonfinite_report(self.model, inputs())}); "
                     f"the step was not taken, and {NONFINITE_ADVICE}")
             torch.nn.utils.clip_grads_with_norm_(self.params, self.ppo.max_grad_norm, norm)
         self.optim.step()
@@ -275,8 +276,8 @@ class PolicyWorker(_LearnerMixin, DistributedWorker):
                         ptx = self._ptx_loss()
                         loss = loss + self.ppo.ptx_coef * ptx
                         stats["ptx_loss"] += float(ptx.detach())
-                self._step(loss, {"log-probs": logp, "old log-probs": e.logprobs, "advantages": e.advantages,
-                                  "log-ratio": logp - e.logprobs})
+                self._step(loss, lambda: {"log-probs": logp, "old log-probs": e.logprobs, "advantages": e.advantages,
+                                          "log-ratio": logp - e.logprobs})
                 stats["policy_loss"] += float(pl.loss.detach())
                 stats["clip_fraction"] += float(pl.clip_fraction)
                 stats["approx_kl"] += float(pl.approx_kl)
@@ -426,6 +427,6 @@ class CriticWorker(_LearnerMixin, DistributedWorker):
                 with autocast(self.device):
                     v = self.model(e.sequences, e.attention_mask, e.action_mask.shape[1])
                     vl = value_loss(v, e.values, e.returns, e.action_mask, self.ppo.value_clip)
-                self._step(vl.loss, {"values": v, "old values": e.values, "returns": e.returns})
+                self._step(vl.loss, lambda: {"values": v, "old values": e.values, "returns": e.returns})
                 loss_sum, clip_sum, steps = loss_sum + float(vl.loss.detach()), clip_sum + float(vl.clip_fraction), steps + 1
         return {"value_loss": loss_sum / steps, "value_clip_fraction": clip_sum / steps}
