@@ -9,7 +9,8 @@ stopped at EOS after ``--stop`` of ``--new-tokens`` tokens, so the attended-span
 columns on both sides), under the stage's autocast (bf16 on CUDA): the full-parameter critic
 (fp32 weights, ``tasks.ppo.roles._Values``) with its value-loss backward, and the LoRA actor
 (bf16 base, fp32 adapter, ``action_logprobs``) with a log-prob backward. Each one eager and with
-compiled blocks (``ppo.compile``), through the cut and over the whole batch. Reported per
+compiled blocks (``ppo.compile``), then compiled inside DDP (as the learners run: a world of one),
+through the cut and over the whole batch. Reported per
 variant: non-finite outputs at action positions, anywhere, and non-finite gradients.
 """
 
@@ -80,33 +81,43 @@ def main() -> None:
     res: dict = {"device": dev, "torch": torch.__version__, "shape": a.shape, "batch": a.batch, "prompt_len": a.prompt_len,
                  "new_tokens": N, "stop": a.stop, "variants": {}}
 
-    def critic_run(whole: bool):
+    def critic_run(whole: bool, model):
         critic.zero_grad(set_to_none=True)
         with autocast(dev):
-            v = critic.rm.values(ids, attn)[:, -N - 1:-1].float() if whole else critic(ids, attn, N)
+            v = critic.rm.values(ids, attn)[:, -N - 1:-1].float() if whole else model(ids, attn, N)
             masked_mean((v - 1.0) ** 2, mask).backward()
         return report(v, mask, critic.parameters())
 
-    def actor_run(whole: bool):
+    def actor_run(whole: bool, model):
         actor.zero_grad(set_to_none=True)
         with autocast(dev):
             if whole:
-                logits = actor(input_ids=ids, attention_mask=attn, position_ids=position_ids_from_mask(attn), use_cache=False).logits
+                logits = model(input_ids=ids, attention_mask=attn, position_ids=position_ids_from_mask(attn), use_cache=False).logits
                 lp = logprobs_from_logits(logits[:, -N - 1:-1].float(), ids[:, -N:])
             else:
-                lp = action_logprobs(actor, ids, attn, N)
+                lp = action_logprobs(model, ids, attn, N)
             masked_mean(lp, mask).backward()
         return report(lp, mask, actor.parameters())
 
-    for compiled in (False, True):
-        if compiled:
+    # the stage's learners are DDP-wrapped (a world of one per role): the last variants add that
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from tasks.common.dist import free_port
+
+    for how in ("eager", "compiled", "compiled ddp"):
+        if how == "compiled":
             compile_blocks(critic.rm)
             compile_blocks(actor)
+        models = {"critic": critic, "actor": actor}
+        if how == "compiled ddp":
+            dist.init_process_group("nccl" if dev == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+            models = {r: DDP(m, device_ids=[0] if dev == "cuda" else None) for r, m in models.items()}
         for whole in (False, True):
             for role, run in (("critic", critic_run), ("actor", actor_run)):
-                name = f"{role} {'compiled' if compiled else 'eager'} {'whole batch' if whole else 'cut'}"
+                name = f"{role} {how} {'whole batch' if whole else 'cut'}"
                 try:
-                    res["variants"][name] = run(whole)
+                    res["variants"][name] = run(whole, models[role])
                 except Exception as e:  # one variant's failure must not hide the others
                     res["variants"][name] = {"error": f"{type(e).__name__}: {e}"[:500]}
                 print(f"{name:32s} {res['variants'][name]}", flush=True)
