@@ -110,18 +110,8 @@ def probe_strategy(strategy: str, device: str) -> dict:
             states = [t for t in _tensors(after[1]) if t.is_floating_point()]
             differ += [f"optimizer tensor {i}" for i, (x, y) in enumerate(zip(states, (t for t in _tensors(again[1]) if t.is_floating_point())))
                        if not torch.equal(x, y)]
-            if differ:  # tell a load that misses something from a step that is not deterministic
-                load_full_state(wrapped, weights, optim, optim_state, strategy)
-                one_step()
-                third = full_state(wrapped, optim, strategy)
-                detail = {n: {"max_abs_diff": float((after[0][n].float() - again[0][n].float()).abs().max()),
-                              "elements_differ": int((after[0][n] != again[0][n]).sum()), "numel": after[0][n].numel(),
-                              "second_load_equal_first_load": torch.equal(again[0][n], third[0][n])}
-                          for n in differ if n in after[0]}
-                steps = sorted({str(v.get("step")) for v in (after[1] or {}).get("state", {}).values()}), \
-                    sorted({str(v.get("step")) for v in (again[1] or {}).get("state", {}).values()})
-                raise AssertionError(f"{len(differ)} tensors differ after load + the same step: {differ[:4]}; "
-                                     f"{json.dumps(detail)}; optimizer 'step' after/again: {steps}")
+            if differ:
+                raise AssertionError(f"{len(differ)} tensors differ after load + the same step: {differ[:4]}")
             return f"{len(after[0])} weights and {len(states)} optimizer tensors equal after load + the same step"
 
         step(r, "resume_exact", resume)

@@ -19,7 +19,7 @@ export PYTHONPATH=/tmp/site:$PWD:/tmp/site-colossalai
 # HybridAdam's kernels are JIT-built at first use (torch.utils.cpp_extension + ninja + nvcc): Hopper only, all cores
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-$(nproc)}
 # ... into ~/.cache/colossalai; the probe sends that folder back (colossalai-kernels.tgz, 9.4 MB) for later calls to carry. The
-# whole folder: with the .so files alone, ninja rebuilt them in every role's process (38 s each, seen 2026-12-03)
+# whole folder: with the .so files alone, ninja rebuilt them in the role processes (cpu_adam 37.9 s, seen 2026-12-03)
 KERNELS=.devcarry/colossalai-kernels.tgz
 if [ -f $KERNELS ]; then tar -C ~ -xzf $KERNELS && echo "kernels: carried"; else KERNELS=; fi
 python3 -c "import torch, transformers, peft; print('torch', torch.__version__, torch.version.cuda, '| transformers', transformers.__version__, '| peft', peft.__version__)"

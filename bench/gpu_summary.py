@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 
 
@@ -49,8 +49,6 @@ def main(root: str, csv: str) -> dict:
         st = out["stages"]
         if "ppo" in out:  # the PPO iterations' span: their summed time, back from PPO's manifest (not from SFT/RM's,
             # which a store seeded with another run's artifacts dates from that run)
-            from datetime import timedelta
-
             end = datetime.fromisoformat(st["ppo"]["created_at"]).replace(tzinfo=None)
             start = end - timedelta(seconds=out["ppo"]["iterations_total_s"])
             span = [u for ts, u, _ in rows if start <= ts <= end]

@@ -9,8 +9,8 @@ stopped at EOS after ``--stop`` of ``--new-tokens`` tokens, so the attended-span
 columns on both sides), under the stage's autocast (bf16 on CUDA): the full-parameter critic
 (fp32 weights, ``tasks.ppo.roles._Values``) with its value-loss backward, and the LoRA actor
 (bf16 base, fp32 adapter, ``action_logprobs``) with a log-prob backward. Each one eager and with
-compiled blocks (``ppo.compile``), then compiled inside DDP (as the learners run: a world of one),
-through the cut and over the whole batch. Reported per
+compiled blocks (``ppo.compile``), through the cut and over the whole batch; then compiled inside
+DDP through the cut, as the learners run (a world of one). Reported per
 variant: non-finite outputs at action positions, anywhere, and non-finite gradients.
 """
 
@@ -113,7 +113,7 @@ def main() -> None:
         if how == "compiled ddp":
             dist.init_process_group("nccl" if dev == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
             models = {r: DDP(m, device_ids=[0] if dev == "cuda" else None) for r, m in models.items()}
-        for whole in (False, True):
+        for whole in (False,) if how == "compiled ddp" else (False, True):  # in DDP the learners' path only (the cut)
             for role, run in (("critic", critic_run), ("actor", actor_run)):
                 name = f"{role} {how} {'whole batch' if whole else 'cut'}"
                 try:
