@@ -23,7 +23,7 @@ for step in "$@"; do
              python3 bench/gpu_summary.py /tmp/s-$step/artifacts "$OUT/gpu_$step.csv" > "$OUT/summary_$step.json"; cat "$OUT/summary_$step.json" ;;
     nan) timeout 240 python3 bench/nan_probe.py --out "$OUT/nan_probe.json" > "$OUT/nan_probe.log" 2>&1; grep -E "^(critic|actor) " "$OUT/nan_probe.log" ;;
     stage) timeout 400 python3 bench/ppo_stage_gpu.py --runs ${STAGE_RUNS:-0.3b,0.3b-plain} ${STAGE_ITERS:+--iters $STAGE_ITERS} --out "$OUT/ppo_stage_gpu.json" > "$OUT/stage.log" 2>&1
-           grep -E "FloatingPointError|not finite|gradient norm|loss is" "$OUT/stage.log" | cut -c1-1200 | sort | uniq -c | head; tail -8 "$OUT/stage.log" ;;
+           grep -E "FloatingPointError|not finite|gradient norm|loss is|anomaly|Error detected in|returned nan" "$OUT/stage.log" | cut -c1-1200 | sort | uniq -c | head; tail -8 "$OUT/stage.log" ;;
     rollout) timeout 240 python3 bench/rollout_realistic.py --out "$OUT/rollout_realistic.json" > "$OUT/rollout.log" 2>&1; tail -7 "$OUT/rollout.log" ;;
     match)  # issue 18: the PPO stage and the in-process iteration on one workload (bench/ppo_stage_gpu.py's 0.3b run)
             timeout 240 python3 bench/ppo_iteration.py --batch 64 --prompt-len 11 --new-tokens 64 --vocab 512 --lora-actor 32 \

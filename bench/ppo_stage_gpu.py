@@ -16,7 +16,9 @@ MLP 2816, with the built-in 512-token vocabulary instead of 32000, so 0.31B para
 with the built-in tokenizer as a local ``model.pretrain``, short SFT / RM, and PPO at batch 64
 with 64 new tokens (ppo.compile 'auto': the learners' blocks compiled); ``0.3b-plain`` is the
 same PPO with ppo.fast_generate 'off', ``0.3b-eager`` with ppo.compile 'off', ``0.3b-fsdp`` with
-ppo.strategy 'fsdp', ``0.3b-fp32`` with model.dtype 'float32'.
+ppo.strategy 'fsdp', ``0.3b-fp32`` with model.dtype 'float32' (both eager), ``0.3b-anomaly`` is
+``0.3b-eager`` with the learners' processes in autograd's anomaly mode, so the first backward op
+that returns a NaN raises with the forward line that made it (issue 18's NaN).
 """
 
 from __future__ import annotations
@@ -87,19 +89,32 @@ def runs(device: str, iters: int | None, big_model: str | None) -> dict[str, tup
         out["0.3b"] = (model, sft, rm, big)
         out["0.3b-plain"] = (model, sft, rm, big.model_copy(update={"fast_generate": "off"}))
         out["0.3b-eager"] = (model, sft, rm, big.model_copy(update={"compile": "off"}))
-        out["0.3b-fsdp"] = (model, sft, rm, big.model_copy(update={"strategy": "fsdp"}))
-        out["0.3b-fp32"] = (model.model_copy(update={"dtype": "float32"}), sft, rm, big)
+        out["0.3b-fsdp"] = (model, sft, rm, big.model_copy(update={"strategy": "fsdp", "compile": "off"}))
+        out["0.3b-fp32"] = (model.model_copy(update={"dtype": "float32"}), sft, rm, big.model_copy(update={"compile": "off"}))
+        out["0.3b-anomaly"] = out["0.3b-eager"]  # the learners under torch.autograd.set_detect_anomaly (RoleStats)
     return out
 
 
 class RoleStats:
     """Reads every role's GPU memory and the actor's rollout path just before train_ppo stops the
-    roles (train_ppo builds and tears them down inside; this wraps its ``stop_roles``)."""
+    roles (train_ppo builds and tears them down inside; this wraps its ``stop_roles``). With
+    ``anomaly`` set, turns on autograd's anomaly mode in the learners once they start (``start_roles``)."""
 
     def __init__(self):
         self.last: dict = {}
-        self._stop = ppo_train.stop_roles
-        ppo_train.stop_roles = self._read_then_stop
+        self.anomaly = False
+        self._start, self._stop = ppo_train.start_roles, ppo_train.stop_roles
+        ppo_train.start_roles, ppo_train.stop_roles = self._start_then_mark, self._read_then_stop
+
+    def _start_then_mark(self, cfg, *args, **kwargs):
+        import ray
+
+        groups = self._start(cfg, *args, **kwargs)
+        if self.anomaly:  # a process-wide flag, set inside each learner's own process
+            ray.get([w.__ray_call__.remote(lambda _self: torch.autograd.set_detect_anomaly(True, check_nan=True))
+                     for r in cfg.learners for w in groups[r].workers])
+            log.info("anomaly mode on in the learners %s", cfg.learners)
+        return groups
 
     def _read_then_stop(self, groups, pgs):
         import ray
@@ -161,7 +176,7 @@ def table(results: dict) -> str:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    ap.add_argument("--runs", default="tiny,0.3b,0.3b-plain", help="comma-separated: tiny, 0.3b, 0.3b-plain, 0.3b-eager, 0.3b-fsdp, 0.3b-fp32")
+    ap.add_argument("--runs", default="tiny,0.3b,0.3b-plain", help="comma-separated: tiny, 0.3b, 0.3b-plain, 0.3b-eager, 0.3b-fsdp, 0.3b-fp32, 0.3b-anomaly")
     ap.add_argument("--iters", type=int, default=None, help="PPO iterations per run (default: tiny 10, 0.3b 4)")
     ap.add_argument("--big-shape", default="0.4b", choices=sorted(SHAPES), help="bench/common.py shape of the 0.3b runs (tiny: smoke run)")
     ap.add_argument("--out", default="bench/results/ppo_stage_gpu.json")
@@ -180,6 +195,7 @@ def main():
     results = {}
     failed = {}
     for name in names:
+        stats.anomaly = name.endswith("-anomaly")
         try:  # one run's failure (its traceback goes to the JSON) must not cost the others' numbers
             results[name] = run_one(name, *plan[name], store, stats)
         except Exception:
