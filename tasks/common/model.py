@@ -147,9 +147,25 @@ def model_stop_ids(cfg: ModelConfig, tok) -> list[int]:
     return list(dict.fromkeys(int(i) for i in ids if i is not None))
 
 
+def no_cudnn_attention(device: str) -> None:
+    """Keep torch's attention (SDPA) off its cuDNN backend in a process that puts a model on CUDA.
+
+    cuDNN's SDPA backward returns NaN query gradients for a query row whose logsumexp is below
+    ln(FLT_MIN), which every left-pad row of a PPO batch has (no key to attend); the forward is
+    fine, so the loss is finite and the gradient norm NaN (seen on the H200 with torch 2.11: both
+    PPO learners at their first step, issue 18; pytorch/pytorch#196678, huggingface/trl#7181).
+    Flash and memory-efficient attention are clean on the same inputs and take over. A
+    process-wide switch, set where models are loaded: every forward of the process is covered."""
+    if device.startswith("cuda"):
+        import torch
+
+        torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 def load_causal_lm(cfg: ModelConfig, device: str = "cpu", path: str | None = None):
     from transformers import AutoModelForCausalLM
 
+    no_cudnn_attention(device)
     return AutoModelForCausalLM.from_pretrained(
         path or cfg.path(), revision=cfg.revision, dtype=torch_dtype(cfg, device),
         trust_remote_code=cfg.trust_remote_code,

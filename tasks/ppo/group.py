@@ -209,8 +209,11 @@ class DistributedWorker:
     def __init__(self, role: str, rank: int, world_size: int, strategy: str, seed: int, cpus: float, device: str):
         import torch
 
+        from tasks.common.model import no_cudnn_attention
+
         self.role, self.rank, self.world_size, self.strategy = role, rank, world_size, strategy
         self.seed, self.device = seed, device
+        no_cudnn_attention(device)  # every role's forwards, models loaded on the CPU first too
         torch.set_num_threads(max(1, int(cpus)))
         torch.manual_seed(seed + 1000 * rank)
 

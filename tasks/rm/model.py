@@ -80,7 +80,7 @@ def build_reward_model(model_cfg, device: str = "cpu", lora=None) -> RewardModel
     """A fresh reward model on ``model_cfg``'s pretrained body; ``lora`` (a LoraConfig) wraps the body."""
     from transformers import AutoModel
 
-    from tasks.common.model import torch_dtype
+    from tasks.common.model import no_cudnn_attention, torch_dtype
 
     # 'auto' keeps fp32 master weights for full-parameter training (autocast gives bf16 compute on
     # CUDA): AdamW on bf16 parameters loses small updates. With LoRA the frozen body is bf16 on
@@ -89,6 +89,7 @@ def build_reward_model(model_cfg, device: str = "cpu", lora=None) -> RewardModel
     # The body comes from a causal LM's checkpoint, so its LM head is left over by design, and
     # transformers prints a load-report table saying so on every load. Its report is held back;
     # anything else it would have reported becomes our warning (errors still raise in transformers).
+    no_cudnn_attention(device)
     report = logging.getLogger("transformers.modeling_utils")
     hold_back = _LoadReport()
     report.addFilter(hold_back)
