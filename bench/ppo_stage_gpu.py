@@ -17,8 +17,8 @@ with the built-in tokenizer as a local ``model.pretrain``, short SFT / RM, and P
 with 64 new tokens (ppo.compile 'auto': the learners' blocks compiled); ``0.3b-plain`` is the
 same PPO with ppo.fast_generate 'off', ``0.3b-eager`` with ppo.compile 'off', ``0.3b-fsdp`` with
 ppo.strategy 'fsdp', ``0.3b-fp32`` with model.dtype 'float32' (both eager), ``0.3b-anomaly`` is
-``0.3b-eager`` with the learners' processes in autograd's anomaly mode, so the first backward op
-that returns a NaN raises with the forward line that made it (issue 18's NaN).
+``0.3b-eager`` with ppo.detect_anomaly (the first backward op that returns a NaN raises with the
+forward line that made it: how issue 18's NaN was found).
 """
 
 from __future__ import annotations
@@ -91,30 +91,18 @@ def runs(device: str, iters: int | None, big_model: str | None) -> dict[str, tup
         out["0.3b-eager"] = (model, sft, rm, big.model_copy(update={"compile": "off"}))
         out["0.3b-fsdp"] = (model, sft, rm, big.model_copy(update={"strategy": "fsdp", "compile": "off"}))
         out["0.3b-fp32"] = (model.model_copy(update={"dtype": "float32"}), sft, rm, big.model_copy(update={"compile": "off"}))
-        out["0.3b-anomaly"] = out["0.3b-eager"]  # the learners under torch.autograd.set_detect_anomaly (RoleStats)
+        out["0.3b-anomaly"] = (model, sft, rm, big.model_copy(update={"compile": "off", "detect_anomaly": True}))
     return out
 
 
 class RoleStats:
     """Reads every role's GPU memory and the actor's rollout path just before train_ppo stops the
-    roles (train_ppo builds and tears them down inside; this wraps its ``stop_roles``). With
-    ``anomaly`` set, turns on autograd's anomaly mode in the learners once they start (``start_roles``)."""
+    roles (train_ppo builds and tears them down inside; this wraps its ``stop_roles``)."""
 
     def __init__(self):
         self.last: dict = {}
-        self.anomaly = False
-        self._start, self._stop = ppo_train.start_roles, ppo_train.stop_roles
-        ppo_train.start_roles, ppo_train.stop_roles = self._start_then_mark, self._read_then_stop
-
-    def _start_then_mark(self, cfg, *args, **kwargs):
-        import ray
-
-        groups = self._start(cfg, *args, **kwargs)
-        if self.anomaly:  # a process-wide flag, set inside each learner's own process
-            ray.get([w.__ray_call__.remote(lambda _self: torch.autograd.set_detect_anomaly(True, check_nan=True))
-                     for r in cfg.learners for w in groups[r].workers])
-            log.info("anomaly mode on in the learners %s", cfg.learners)
-        return groups
+        self._stop = ppo_train.stop_roles
+        ppo_train.stop_roles = self._read_then_stop
 
     def _read_then_stop(self, groups, pgs):
         import ray
@@ -195,7 +183,6 @@ def main():
     results = {}
     failed = {}
     for name in names:
-        stats.anomaly = name.endswith("-anomaly")
         try:  # one run's failure (its traceback goes to the JSON) must not cost the others' numbers
             results[name] = run_one(name, *plan[name], store, stats)
         except Exception:

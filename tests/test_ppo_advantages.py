@@ -275,3 +275,23 @@ def test_a_learner_refuses_a_non_finite_gradient_and_leaves_the_weights_as_they_
         _LearnerMixin._step(learner, loss, lambda: {"old log-probs": torch.tensor([0.0, float("-inf")])})
     assert "old log-probs: 1 of 2 not finite" in str(e.value)
     assert torch.equal(w.detach(), torch.tensor([1.0, 2.0]))
+
+
+def test_ppo_detect_anomaly_names_the_backward_op_that_made_the_nan():
+    """What ``ppo.detect_anomaly`` gives a learner (its ``load`` turns autograd's anomaly mode on
+    in its process): the first backward op that returns a NaN stops the step, named."""
+    from types import SimpleNamespace
+
+    from tasks.ppo.config import PPOConfig
+    from tasks.ppo.roles import _LearnerMixin
+
+    assert PPOConfig().detect_anomaly is False and PPOConfig(detect_anomaly=True).detect_anomaly
+    w = torch.nn.Parameter(torch.tensor([0.0, 4.0]))
+    optim = torch.optim.Adam([w], lr=0.1)
+    learner = SimpleNamespace(role="actor", rank=0, strategy="ddp", optim=optim, params=[w], model=torch.nn.ParameterList([w]),
+                              ppo=SimpleNamespace(max_grad_norm=1.0))
+    loss = torch.where(w > 0, torch.sqrt(w), torch.zeros_like(w)).sum()  # finite; sqrt's backward at 0 is 0 * inf
+    with torch.autograd.set_detect_anomaly(True, check_nan=True):
+        with pytest.raises(RuntimeError, match="SqrtBackward0.* returned nan"):
+            _LearnerMixin._step(learner, loss)
+    assert torch.equal(w.detach(), torch.tensor([0.0, 4.0]))

@@ -122,6 +122,7 @@ class PPOConfig(BaseModel):
 
     gradient_checkpointing: CheckpointMode = Field("auto", description=CHECKPOINT_HELP + " For the learners (actor, critic).")
     compile: Literal["auto", "on", "off"] = Field("auto", description="torch.compile each transformer block of the learners (actor, critic): fuses the norms, RoPE, activations and casts around the matmuls. 'auto' = on for CUDA roles of models of 50M+ parameters (the first iteration pays ~1 min of compilation), 'on' = also on CPU, 'off' = eager.")
+    detect_anomaly: bool = Field(False, description="Debugging a NaN: the learners run autograd's anomaly mode (torch.autograd.set_detect_anomaly), so the first backward op that returns a NaN stops the run with the op's name and the forward line that made it. Slow (every op keeps its traceback); with ppo.compile 'off' it names ops, not compiled blocks.")
 
     # -- evaluation, checkpoints, logging
     eval_every: int = Field(10, gt=0, description="Evaluate on prompts_eval every N iterations (and at start and end).")
