@@ -18,10 +18,11 @@ FLOW_TIMEOUT_DEFAULT=420; source "$(dirname "$0")/gpu_common.sh"   # bundle, /tm
 export PYTHONPATH=/tmp/site:$PWD:/tmp/site-colossalai
 # HybridAdam's kernels are JIT-built at first use (torch.utils.cpp_extension + ninja + nvcc): Hopper only, all cores
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-$(nproc)}
-# ... into ~/.cache/colossalai; the probe sends that folder back (colossalai-kernels.tgz, 9.4 MB) for later calls to carry. The
+# ... into ~/.cache/colossalai; the probe sends that folder back (colossalai-kernels.tar.xz, 3.8 MB; 9.4 MB as .tgz, too much
+# beside the flow's packages) for later calls to carry. The
 # whole folder: with the .so files alone, ninja rebuilt them in the role processes (cpu_adam 37.9 s, seen 2026-12-03)
-KERNELS=.devcarry/colossalai-kernels.tgz
-if [ -f $KERNELS ]; then tar -C ~ -xzf $KERNELS && echo "kernels: carried"; else KERNELS=; fi
+KERNELS=.devcarry/colossalai-kernels.tar.xz
+if [ -f $KERNELS ]; then tar -C ~ -xJf $KERNELS && echo "kernels: carried"; else KERNELS=; fi
 python3 -c "import torch, transformers, peft; print('torch', torch.__version__, torch.version.cuda, '| transformers', transformers.__version__, '| peft', peft.__version__)"
 python3 -m pip list 2>/dev/null | grep -iE "^(colossalai|bitsandbytes|galore|einops|contexttimer) " ; nvcc --version | tail -2
 strategy_of() { case $1 in zero2) echo colossalai_zero2 ;; gemini) echo colossalai_gemini ;; *) echo "$1" ;; esac; }
@@ -38,7 +39,7 @@ for step in "$@"; do
   case $step in
     probe) timeout "${PROBE_TIMEOUT:-480}" python3 bench/colossalai_probe.py --out "$OUT/probe.json" > "$OUT/probe.log" 2>&1; echo "rc=$?"
            grep -E "^probe:|^\{" "$OUT/probe.log" | cut -c1-1500
-           [ -n "$KERNELS" ] || [ ! -d ~/.cache/colossalai ] || tar -C ~ -czf "$DEST/colossalai-kernels.tgz" .cache/colossalai ;;
+           [ -n "$KERNELS" ] || [ ! -d ~/.cache/colossalai ] || tar -C ~ -cJf "$DEST/colossalai-kernels.tar.xz" .cache/colossalai ;;
     zero2|gemini|ddp) rm -rf "/tmp/art-$step"; seed_store "/tmp/art-$step"
            flow "$step" --set store.uri="file:///tmp/art-$step" --set ppo.strategy="$(strategy_of "$step")" ${EXTRA:-}
            python3 bench/gpu_summary.py "/tmp/art-$step" "$OUT/gpu_$step.csv" > "$OUT/summary_$step.json"; cat "$OUT/summary_$step.json" ;;
