@@ -47,6 +47,9 @@ def llama_config(shape: str, max_len: int = 512, vocab: int = VOCAB):
 def build_policy(shape: str, device: str, dtype=torch.float32, seed: int = 0, vocab: int = VOCAB):
     from transformers import LlamaForCausalLM
 
+    from tasks.common.model import no_cudnn_attention
+
+    no_cudnn_attention(device)  # as the stages run
     torch.manual_seed(seed)
     with torch.device(device):
         return LlamaForCausalLM(llama_config(shape, vocab=vocab)).to(dtype)
@@ -56,6 +59,9 @@ def build_scalar_model(shape: str, device: str, dtype=torch.float32, seed: int =
     """Value / reward model: the same backbone with a 1-output head (HF's sequence classifier)."""
     from transformers import LlamaForSequenceClassification
 
+    from tasks.common.model import no_cudnn_attention
+
+    no_cudnn_attention(device)  # as the stages run
     torch.manual_seed(seed)
     cfg = llama_config(shape)
     cfg.num_labels = 1
@@ -67,8 +73,10 @@ def build_value_model(shape: str, device: str, dtype=torch.float32, seed: int = 
     """Critic / reward model as the PPO stage builds them: tasks.rm.model.RewardModel over the body."""
     from transformers import LlamaModel
 
+    from tasks.common.model import no_cudnn_attention
     from tasks.rm.model import RewardModel
 
+    no_cudnn_attention(device)  # as the stages run
     torch.manual_seed(seed)
     with torch.device(device):
         return RewardModel(LlamaModel(llama_config(shape, vocab=vocab))).to(dtype)

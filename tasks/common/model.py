@@ -151,7 +151,7 @@ def no_cudnn_attention(device: str) -> None:
     """Keep torch's attention (SDPA) off its cuDNN backend in a process that puts a model on CUDA.
 
     cuDNN's SDPA backward returns NaN query gradients for a query row whose logsumexp is below
-    ln(FLT_MIN), which every left-pad row of a PPO batch has (no key to attend); the forward is
+    about -88.7, which every left-pad row of a PPO batch has (no key to attend); the forward is
     fine, so the loss is finite and the gradient norm NaN (seen on the H200 with torch 2.11: both
     PPO learners at their first step, issue 18; pytorch/pytorch#196678, huggingface/trl#7181).
     Flash and memory-efficient attention are clean on the same inputs and take over. A
