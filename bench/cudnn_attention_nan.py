@@ -19,10 +19,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import machine, write_json  # noqa: E402
-from tests.test_attention_backward import LlamaConfig, LlamaForCausalLM, PAD, V, left_padded  # noqa: E402
 from tasks.common.loop import autocast  # noqa: E402
 from tasks.common.model import ModelConfig, load_causal_lm  # noqa: E402
 from tasks.ppo.generation import action_logprobs  # noqa: E402
+from tests.test_attention_backward import left_padded, save_tiny_llama  # noqa: E402
 
 
 def main() -> None:
@@ -30,10 +30,7 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results/cudnn_attention_nan.json")
     a = ap.parse_args()
     dev = "cuda"
-    folder = tempfile.mkdtemp()
-    torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-                                 num_key_value_heads=2, max_position_embeddings=1024, pad_token_id=PAD)).save_pretrained(folder)
+    folder = save_tiny_llama(tempfile.mkdtemp(), max_len=1024)
     model = load_causal_lm(ModelConfig(pretrain=folder), dev).eval()
     rows = []
     for cudnn in (True, False):

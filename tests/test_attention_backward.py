@@ -34,14 +34,20 @@ def left_padded(B: int, L: int, N: int):
     return ids.to(DEVICE), mask.to(DEVICE)
 
 
-def test_actor_backward_is_finite_on_left_padded_rows(tmp_path):
+def save_tiny_llama(folder, max_len: int = 256) -> str:
+    """A 2-layer random Llama with head_dim 64 (as real models have), saved as a local model."""
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=V, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-                      num_key_value_heads=2, max_position_embeddings=256, pad_token_id=PAD)  # head_dim 64, as real models
-    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "model")
+                      num_key_value_heads=2, max_position_embeddings=max_len, pad_token_id=PAD)
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    return str(folder)
+
+
+def test_actor_backward_is_finite_on_left_padded_rows(tmp_path):
+    folder = save_tiny_llama(tmp_path / "model")
     if DEVICE == "cuda":
         torch.backends.cuda.enable_cudnn_sdp(True)  # as a fresh process has it
-    model = load_causal_lm(ModelConfig(pretrain=str(tmp_path / "model")), DEVICE).eval()
+    model = load_causal_lm(ModelConfig(pretrain=folder), DEVICE).eval()
     if DEVICE == "cuda":
         assert not torch.backends.cuda.cudnn_sdp_enabled()
     ids, mask = left_padded(B=8, L=192, N=64)

@@ -37,10 +37,8 @@ def loss_aggregation(ppo: PPOConfig):
 
 
 # what to try when a role computes a non-finite number (check_finite, and the learners' loss check)
-NONFINITE_ADVICE = ("the checkpoints written so far are kept. To find the op, rerun with ppo.detect_anomaly true and "
-                    "ppo.compile 'off' (the first backward op that returns a NaN is named, with its forward line); "
-                    "model.dtype 'float32' tells bf16's range from the rest, and a lower ppo.actor_lr / ppo.critic_lr helps "
-                    "when it appears only after some iterations")
+NONFINITE_ADVICE = ("the checkpoints written so far are kept. model.dtype 'float32' tells bf16's range from the rest, "
+                    "and a lower ppo.actor_lr / ppo.critic_lr helps when it appears only after some iterations")
 
 
 def check_finite(named: dict[str, Tensor], mask: Tensor) -> None:

@@ -127,7 +127,8 @@ class _LearnerMixin:
             if not bool(torch.isfinite(norm)):  # a finite loss, a non-finite gradient: same stop, before the step
                 raise FloatingPointError(
                     f"ppo: the {self.role}'s gradient norm is {float(norm)} (rank {self.rank}; {_nonfinite_report(self.model, inputs())}); "
-                    f"the step was not taken, and {NONFINITE_ADVICE}")
+                    f"the step was not taken, and {NONFINITE_ADVICE}. To name the backward op that made it, rerun with "
+                    "ppo.detect_anomaly true and ppo.compile 'off'")
             torch.nn.utils.clip_grads_with_norm_(self.params, self.ppo.max_grad_norm, norm)
         self.optim.step()
         self.optim.zero_grad(set_to_none=True)
