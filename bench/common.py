@@ -13,6 +13,8 @@ from contextlib import contextmanager
 
 import torch
 
+from tasks.common.model import no_cudnn_attention
+
 # name -> LlamaConfig kwargs. "0.4b" is the issue's 374M shape.
 SHAPES = {
     "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4),
@@ -47,8 +49,6 @@ def llama_config(shape: str, max_len: int = 512, vocab: int = VOCAB):
 def build_policy(shape: str, device: str, dtype=torch.float32, seed: int = 0, vocab: int = VOCAB):
     from transformers import LlamaForCausalLM
 
-    from tasks.common.model import no_cudnn_attention
-
     no_cudnn_attention(device)  # as the stages run
     torch.manual_seed(seed)
     with torch.device(device):
@@ -58,8 +58,6 @@ def build_policy(shape: str, device: str, dtype=torch.float32, seed: int = 0, vo
 def build_scalar_model(shape: str, device: str, dtype=torch.float32, seed: int = 1):
     """Value / reward model: the same backbone with a 1-output head (HF's sequence classifier)."""
     from transformers import LlamaForSequenceClassification
-
-    from tasks.common.model import no_cudnn_attention
 
     no_cudnn_attention(device)  # as the stages run
     torch.manual_seed(seed)
@@ -73,7 +71,6 @@ def build_value_model(shape: str, device: str, dtype=torch.float32, seed: int = 
     """Critic / reward model as the PPO stage builds them: tasks.rm.model.RewardModel over the body."""
     from transformers import LlamaModel
 
-    from tasks.common.model import no_cudnn_attention
     from tasks.rm.model import RewardModel
 
     no_cudnn_attention(device)  # as the stages run

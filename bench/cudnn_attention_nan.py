@@ -4,7 +4,8 @@
 
 The actor's log-prob backward (tests/test_attention_backward.py's model and batch) under bf16
 autocast, at lengths around multiples of 128, once with torch's default SDPA backends and once
-with cuDNN's switched off: the count of non-finite gradient tensors and the backward's time.
+with cuDNN's switched off: the count of non-finite gradient tensors, and the forward + backward's
+time (one call each: the first rows of each setting include warm-up and kernel selection).
 """
 
 from __future__ import annotations

@@ -63,7 +63,7 @@ def test_actor_backward_is_finite_on_left_padded_rows(tmp_path):
     assert torch.stack([g.float().norm() for g in grads.values()]).sum() > 0
 
 
-def test_role_processes_and_loaders_switch_cudnn_attention_off_on_cuda_only():
+def test_cuda_role_processes_switch_cudnn_attention_off_and_cpu_ones_keep_it():
     before, threads = torch.backends.cuda.cudnn_sdp_enabled(), torch.get_num_threads()
     try:
         torch.backends.cuda.enable_cudnn_sdp(True)

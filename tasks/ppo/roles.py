@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import random
 from contextlib import contextmanager
+from typing import Callable
+
 import torch
 from torch import Tensor
 
@@ -109,7 +111,7 @@ def _nonfinite_report(model, inputs: dict[str, Tensor]) -> str:
 class _LearnerMixin:
     """Shared by the two learners: optimizer step and state for checkpoints."""
 
-    def _step(self, loss: Tensor, inputs=dict) -> None:
+    def _step(self, loss: Tensor, inputs: Callable[[], dict[str, Tensor]] = dict) -> None:
         """One optimizer step on ``loss``; stops before it on a non-finite loss or gradient norm,
         naming the gradient tensors and the loss inputs that are not finite (``inputs()`` -> name ->
         tensor, called only then)."""
