@@ -2,11 +2,13 @@
 
     python bench/gpu_shapes.py --shape 8b --out /tmp/shape-8b     # then: rlhf run --config /tmp/shape-8b/rlhf.yaml
     python bench/gpu_shapes.py --shape 1.5b --out /tmp/shape-1.5b
+    python bench/gpu_shapes.py --shape 0.3b --out /tmp/shape-0.3b --prompt-tokens 64 --new-tokens 64
     python bench/gpu_shapes.py --shape tiny --out /tmp/shape-tiny # a CPU check of the script itself
 
 Shapes: ``8b`` is Llama-3-8B's (d 4096, 32 layers, 32 heads, GQA 8 KV heads, MLP 14336, vocab
 128256), ``1.5b`` Qwen2-1.5B's as a Llama (d 1536, 28 layers, 12 heads, 2 KV heads, MLP 8960,
-vocab 151936). The tokenizer is the built-in one (ids < 512): the model's vocabulary rows beyond
+vocab 151936), ``0.3b`` bench/ppo_stage_gpu.py's random Llama (d 1024, 24 layers, MLP 2816, the
+built-in 512-token vocabulary; full-parameter RM and critic, as the stage bench runs it). The tokenizer is the built-in one (ids < 512): the model's vocabulary rows beyond
 it are never produced by the data but cost what they cost in the LM head and the logits. The data
 are the built-in task's records with a long preamble, so prompts are ~``--prompt-tokens`` tokens;
 PPO generates ``--new-tokens``. The config writes what a 1-GPU run of this size needs (LoRA RM, a
@@ -27,6 +29,9 @@ SHAPES = {
                num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0),
     "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                  num_key_value_heads=2, vocab_size=151936, rope_theta=1000000.0),
+    # bench/ppo_stage_gpu.py's 0.3b: bench/common.py's 0.4b body with the built-in 512-token vocabulary
+    "0.3b": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=24, num_attention_heads=16,
+                 num_key_value_heads=16, vocab_size=512),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=1024),
 }
@@ -89,6 +94,10 @@ def write_config(out: Path, shape: str, data: dict[str, str], prompt_tokens: int
                 "eval_every": 8, "eval_prompts": 16, "checkpoint_every": 4, "critic_lora_rank": 16, "critic_lr": 1e-4,
                 "actor_lr": 1e-5, "ppo_epochs": 1},
     }
+    if shape in ("0.3b", "tiny"):  # small enough for the defaults' full-parameter RM and critic
+        del cfg["rm"]["lora_rank"], cfg["ppo"]["critic_lora_rank"]
+        cfg["rm"]["lr"] = 5e-5
+        cfg["ppo"].update(critic_lr=1e-5, actor_lr=5e-5, num_iterations=16, eval_every=8, checkpoint_every=8)
     p = out / "rlhf.yaml"
     p.write_text(f"# bench/gpu_shapes.py --shape {shape}: a 1-GPU run of this size through the flow\n" + yaml.safe_dump(cfg, sort_keys=False))
     return p
