@@ -121,7 +121,7 @@ class PPOConfig(BaseModel):
     fast_generate: Literal["auto", "on", "off"] = Field("auto", description="Rollouts with tasks/ppo/fast_generate.py (static KV cache; CUDA graphs on CUDA): 'auto' = on for CUDA actors of a Llama-family model with strategy 'ddp', 'on' = also on CPU (eager) and an error where it cannot apply, 'off' = the plain loop of tasks/ppo/generation.py.")
 
     gradient_checkpointing: CheckpointMode = Field("auto", description=CHECKPOINT_HELP + " For the learners (actor, critic).")
-    compile: Literal["auto", "on", "off"] = Field("auto", description="torch.compile each transformer block of the learners (actor, critic): fuses the norms, RoPE, activations and casts around the matmuls. 'auto' = on for CUDA roles of models of 50M+ parameters (the first iteration pays ~1 min of compilation), 'on' = also on CPU, 'off' = eager.")
+    compile: Literal["auto", "on", "off"] = Field("auto", description="torch.compile each transformer block of the learners (actor, critic): fuses the norms, RoPE, activations and casts around the matmuls. 'auto' = on for CUDA roles of models of 50M+ parameters (the first iteration pays ~1 min of compilation) except under colossalai_gemini (its chunk hooks do not trace), 'on' = also on CPU, 'off' = eager.")
     detect_anomaly: bool = Field(False, description="Debugging a NaN: the learners run autograd's anomaly mode (torch.autograd.set_detect_anomaly), so the first backward op that returns a NaN stops the run with the op's name and the forward line that made it. Slow (every op keeps its traceback); with ppo.compile 'off' it names ops, not compiled blocks.")
 
     # -- evaluation, checkpoints, logging
@@ -164,6 +164,11 @@ class PPOConfig(BaseModel):
             g = getattr(self, role).gpus_per_worker
             if g is not None and g > 1 and g != int(g):
                 raise ValueError(f"ppo.{role}.gpus_per_worker ({g}): above 1 it must be a whole number of GPUs (Ray's rule)")
+        if self.compile == "on" and self.strategy == "colossalai_gemini":
+            raise ValueError(
+                "ppo.compile 'on' with ppo.strategy 'colossalai_gemini': Gemini gathers each parameter chunk from hooks inside "
+                "the forward, which torch.compile cannot trace (InternalTorchDynamoError in colossalai's "
+                "cuda_accelerator.stream, seen on an H200 with torch 2.11): use ppo.compile 'auto' (eager under Gemini) or 'off'")
         if self.fast_generate == "on" and self.strategy != "ddp":
             raise ValueError(
                 f"ppo.fast_generate 'on' needs every actor rank to hold full parameters, but ppo.strategy "

@@ -269,12 +269,15 @@ def compile_blocks(model) -> int:
 COMPILE_AUTO_MIN_PARAMS = 50_000_000
 
 
-def wants_compile(mode: str, device: str, model=None) -> bool:
+def wants_compile(mode: str, device: str, model=None, strategy: str = "ddp") -> bool:
     """``ppo.compile``: 'auto' = on for CUDA roles of models of 50M parameters or more (below
     that, compiling costs more than the run: 32 s for the built-in 0.1M model on an H200, whose
-    30 iterations then take 7 s), 'on' = everywhere (CPU too), 'off'."""
+    30 iterations then take 7 s) but not under colossalai_gemini, whose chunk hooks in the forward
+    do not trace (PPOConfig refuses 'on' with it), 'on' = everywhere (CPU too), 'off'."""
     if mode != "auto":
         return mode == "on"
+    if strategy == "colossalai_gemini":
+        return False
     return device == "cuda" and (model is None or sum(p.numel() for p in model.parameters()) >= COMPILE_AUTO_MIN_PARAMS)
 
 

@@ -179,7 +179,7 @@ class PolicyWorker(_LearnerMixin, DistributedWorker):
             peft.load_adapter(adapter, adapter_name=REFERENCE_ADAPTER, is_trainable=False)
         checkpoint_blocks(peft, ppo.gradient_checkpointing, self.device)
         torch.autograd.set_detect_anomaly(ppo.detect_anomaly, check_nan=True)  # process-wide: this learner's backward
-        if wants_compile(ppo.compile, self.device, peft):
+        if wants_compile(ppo.compile, self.device, peft, self.strategy):
             compile_blocks(peft)
         self.model, self.optim, self.infer_model = wrap_learner(peft, ppo.actor_lr, self.strategy, self.device, ppo.max_grad_norm)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -397,7 +397,7 @@ class CriticWorker(_LearnerMixin, DistributedWorker):
         rm.to(self.device)
         checkpoint_blocks(rm, ppo.gradient_checkpointing, self.device)
         torch.autograd.set_detect_anomaly(ppo.detect_anomaly, check_nan=True)  # process-wide: this learner's backward
-        if wants_compile(ppo.compile, self.device, rm):
+        if wants_compile(ppo.compile, self.device, rm, self.strategy):
             compile_blocks(rm)
         self.model, self.optim, self.infer_model = wrap_learner(_Values(rm), ppo.critic_lr, self.strategy, self.device, ppo.max_grad_norm)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
