@@ -116,3 +116,91 @@ def test_critic_values_and_reward_scores_on_the_cut_batch_equal_the_whole_batch(
     assert not values[:, span.actions:].any()
     torch.testing.assert_close(score_cut, score_whole, rtol=1e-5, atol=1e-5)
     assert score_whole.std() > 0  # the head is not constant, so the comparison means something
+
+
+def tiny_llama(V: int = 64):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, max_position_embeddings=64, pad_token_id=0)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def rollout_chunk(P: int, N: int, plen: list[int], rlen: list[int], V: int, seed: int):
+    """A Rollout of len(plen) rows: prompts of ``plen`` tokens left-padded to P, responses of
+    ``rlen`` tokens in N columns."""
+    from tasks.ppo.generation import Rollout
+
+    g = torch.Generator().manual_seed(seed)
+    cols = torch.arange(P + N)[None]
+    attn = ((cols >= P - torch.tensor(plen)[:, None]) & (cols < P + torch.tensor(rlen)[:, None])).long()
+    seqs = torch.randint(1, V, (len(plen), P + N), generator=g).masked_fill(attn == 0, 0)
+    return Rollout(seqs, attn, attn[:, P:].float(), torch.tensor(rlen) < N)
+
+
+def test_scoring_chunks_together_equals_scoring_each_alone():
+    """Chunks of widths 11, 17, 14 (one generating worker's prompt padding each), fused into
+    forwards of whole chunks: each chunk's log-probs and entropy equal its own forward's, under a
+    row cap below the total (two forwards), at the total and with none (one), and below a chunk
+    (one forward per chunk: a chunk is never split)."""
+    from tasks.ppo.padding import score_together
+
+    V, N = 64, 6
+    model = tiny_llama(V)
+    chunks = [rollout_chunk(5, N, [3, 5, 1, 4], [2, 6, 1, 3], V, 0),
+              rollout_chunk(11, N, [9, 11, 2, 6], [1, 2, 2, 1], V, 1),  # every row stops early: a trailing cut alone
+              rollout_chunk(8, N, [8, 7, 3, 5], [6, 4, 5, 6], V, 2)]
+    calls = []
+
+    def fn(ro):
+        calls.append(len(ro.sequences))
+        return forward_actions(model, ro.sequences, ro.attention_mask, ro.action_mask.shape[1])
+
+    with torch.no_grad():
+        alone = [fn(c) for c in chunks]
+        for rows, forwards in [(8, [8, 4]), (12, [12]), (None, [12]), (2, [4, 4, 4])]:
+            calls.clear()
+            fused = score_together(fn, chunks, rows)
+            assert calls == forwards, (rows, calls)
+            for c, (lp, ent), (lp0, ent0) in zip(chunks, fused, alone):
+                m = c.action_mask.bool()  # after a row's stop the numbers are meaningless (and 0 when cut alone)
+                assert lp.shape == ent.shape == (4, N)
+                torch.testing.assert_close(lp[m], lp0[m], rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(ent[m], ent0[m], rtol=1e-5, atol=1e-5)
+                assert lp.untyped_storage().nbytes() == lp.nbytes  # its own copy, not a view of the fused batch
+        # a single-tensor fn gives one tensor per chunk; per-row outputs (B,) split the same way
+        ends = score_together(lambda ro: ro.attention_mask.sum(1), chunks)
+    assert [e.tolist() for e in ends] == [c.attention_mask.sum(1).tolist() for c in chunks]
+
+
+def test_critic_values_and_reward_scores_of_chunks_together_equal_each_alone(rlhf_cache):
+    """The critic's per-action values and the reward model's per-row scores on chunks of
+    different widths in one forward, against each chunk alone."""
+    from tasks.ppo.padding import score_together
+    from tasks.ppo.roles import _Values
+    from tasks.rm.model import build_reward_model
+
+    cfg = ModelConfig()
+    torch.manual_seed(0)
+    rm = build_reward_model(cfg).eval()
+    torch.nn.init.normal_(rm.head.weight, std=1.0)
+    V, N = len(load_tokenizer(cfg)), 6
+    chunks = [rollout_chunk(5, N, [3, 5, 1], [2, 6, 1], V, 0), rollout_chunk(12, N, [9, 12, 2], [1, 2, 6], V, 1)]
+    values = lambda ro: _Values(rm)(ro.sequences, ro.attention_mask, N)  # noqa: E731
+    score = lambda ro: rm(*(cut(t, attended_span(ro.attention_mask, N)) for t in ro[:2]))  # noqa: E731
+    with torch.no_grad():
+        for fn in (values, score):
+            for c, together, alone in zip(chunks, score_together(fn, chunks), map(fn, chunks)):
+                m = c.action_mask.bool() if together.dim() == 2 else slice(None)
+                torch.testing.assert_close(together[m], alone[m], rtol=1e-5, atol=1e-5)
+    assert alone.std() > 0  # the head is not constant
+
+
+def test_logit_rows_caps_the_actors_scoring_forward_in_whole_chunks():
+    from tasks.ppo.padding import logit_rows
+
+    assert logit_rows(16, 64, 32000) == 128  # 2**28 / (64 * 32000) = 131 rows, down to whole chunks
+    assert logit_rows(16, 64, 151936) == 16  # 27 rows: one chunk
+    assert logit_rows(3, 1024, 2**20) == 3  # not even one row fits: still the chunk
+    assert logit_rows(16, 8, 96) == 349520 and logit_rows(16, 8, 96) % 16 == 0  # a small vocab: every row at once

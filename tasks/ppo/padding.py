@@ -11,13 +11,18 @@ Cutting only whole columns keeps each kept token's position (positions come from
 cumulative sum) and the attention over the kept tokens (the cut columns were masked keys), so the
 outputs equal the uncut forward's up to summation order. The kept width is rounded up to a
 multiple of ``multiple`` (by cutting less on the left) so compiled blocks see few shapes.
+
+The same two facts make the scorers' fusion exact (``score_together``): chunks of different
+widths (prompts left-padded per generating worker) are left-padded to the widest with columns no
+row attends and concatenated along rows, so one forward scores several chunks.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 MULTIPLE = 16
@@ -62,3 +67,46 @@ def pad_actions(x: Tensor, span: Span) -> Tensor:
     if missing == 0:
         return x
     return torch.cat([x, x.new_zeros((x.shape[0], missing, *x.shape[2:]))], dim=1)
+
+
+def logit_rows(chunk_rows: int, max_new_tokens: int, vocab_size: int) -> int:
+    """Rows per forward of the actor's / reference's scoring (``score_together``): its fp32
+    logits of the action columns (rows x max_new_tokens x vocab_size) kept to 2**28 numbers
+    (1 GiB), rounded down to a multiple of ``chunk_rows`` (whole chunks) and at least one chunk.
+    From config values only, so every rank of a sharded strategy runs the same forwards."""
+    return max(chunk_rows, 2**28 // (max_new_tokens * vocab_size) // chunk_rows * chunk_rows)
+
+
+def score_together(fn: Callable, rollouts: Sequence, rows: int | None = None) -> list:
+    """``fn`` (Rollout -> Tensor or tuple of Tensors, batch first) on every rollout chunk, in as
+    few calls as fit: consecutive whole chunks, up to ``rows`` rows a call (None: all; a chunk is
+    never split, so a call has at least one), fused by ``left_pad_cat``. Chunks (B_j, L_j) share
+    N = action_mask.shape[1]. Returns fn's outputs per chunk, in order, each (B_j, ...) and a copy
+    of its own (a view would carry the whole batch's storage through Ray)."""
+    groups = []
+    for ro in rollouts:
+        if groups and (rows is None or sum(len(r.sequences) for r in groups[-1]) + len(ro.sequences) <= rows):
+            groups[-1].append(ro)
+        else:
+            groups.append([ro])
+    out = []
+    for group in groups:
+        y = fn(left_pad_cat(group))
+        sizes = [len(r.sequences) for r in group]
+        if isinstance(y, tuple):
+            out += [tuple(t.clone() for t in ts) for ts in zip(*(t.split(sizes) for t in y))]
+        else:
+            out += [t.clone() for t in y.split(sizes)]
+    return out
+
+
+def left_pad_cat(rollouts: Sequence):
+    """Rollout chunks (B_j, L_j) as one Rollout (sum B_j, max L_j): sequences and attention mask
+    left-padded with 0 (columns no row attends), the action mask (B_j, N) and ended_with_eos
+    concatenated."""
+    L = max(r.sequences.shape[1] for r in rollouts)
+    wide = lambda t: F.pad(t, (L - t.shape[1], 0))  # noqa: E731
+    return type(rollouts[0])(sequences=torch.cat([wide(r.sequences) for r in rollouts]),
+                             attention_mask=torch.cat([wide(r.attention_mask) for r in rollouts]),
+                             action_mask=torch.cat([r.action_mask for r in rollouts]),
+                             ended_with_eos=torch.cat([r.ended_with_eos for r in rollouts]))
