@@ -192,9 +192,17 @@ class RoleGroup:
     def __len__(self) -> int:
         return len(self.workers)
 
-    def deal(self, j: int):
-        """The worker that gets chunk ``j`` (round-robin)."""
-        return self.workers[j % len(self.workers)]
+    def deal(self, method: str, chunks: list) -> list:
+        """Refs to ``method`` on ``chunks``, in chunk order: chunk j goes to worker j % n
+        (round-robin), and each worker gets one call with all of its chunks as arguments, giving
+        one Ray return per chunk (the scoring methods of tasks/ppo/roles.py)."""
+        n, refs = len(self.workers), [None] * len(chunks)
+        for i, w in enumerate(self.workers[:len(chunks)]):
+            mine = range(i, len(chunks), n)
+            out = getattr(w, method).options(num_returns=len(mine)).remote(*(chunks[j] for j in mine))
+            for j, ref in zip(mine, [out] if len(mine) == 1 else out):  # num_returns=1: one ref, not a list
+                refs[j] = ref
+        return refs
 
     def kill(self) -> None:
         import ray

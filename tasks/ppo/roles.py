@@ -5,6 +5,12 @@ and the driver calls ``worker.method.remote(...)``. Tensors travel as ``Rollout`
 ``Experience`` NamedTuples inside Ray object refs. Shapes: B rows, L = P + N tokens (left-padded
 prompt + N = max_new_tokens response columns).
 
+Scoring (``logprobs``, ``reference_logprobs``, ``values``, ``score``) takes any number of rollout
+chunks and gives one Ray return per chunk: the driver sends each worker all of its chunks of an
+iteration in one call, and the worker scores them in as few forwards as fit
+(``tasks.ppo.padding.score_together``): the actor and the reference ``logit_rows`` rows a forward,
+the critic and the reward model every row in one.
+
 Rollouts: with ``ppo.fast_generate`` (default 'auto': CUDA, Llama-family, DDP) the actor decodes
 with ``FastGenerator`` (static KV cache, the whole decode step as a CUDA graph) over a packed copy
 of its weights with the LoRA adapter merged in, re-filled in place before every rollout, so an
@@ -41,13 +47,19 @@ from tasks.ppo.config import PPOConfig
 from tasks.ppo.experience import NONFINITE_ADVICE, Experience
 from tasks.ppo.fast_generate import fast_generate_applies
 from tasks.ppo.group import DistributedWorker, agree_finished, compile_blocks, full_state, load_full_state, prime_cpu_adam, wants_compile, wrap_learner
-from tasks.ppo.padding import attended_span, cut, pad_actions
+from tasks.ppo.padding import attended_span, cut, logit_rows, pad_actions, score_together
 
 
 def _chunks(rollout, n: int):
     """Split a Rollout into ``n`` equal row chunks (each a Rollout)."""
     size = rollout.sequences.shape[0] // n
     return [type(rollout)(*(t[i * size:(i + 1) * size] for t in rollout)) for i in range(n)]
+
+
+def _returns(outs: list):
+    """``outs`` as the method's Ray returns (``num_returns=len(outs)``): one as itself, since a
+    single return is the value, not a 1-tuple."""
+    return outs[0] if len(outs) == 1 else tuple(outs)
 
 
 def _rng_state(*generators: torch.Generator) -> dict:
@@ -189,6 +201,7 @@ class PolicyWorker(_LearnerMixin, DistributedWorker):
         self.learn_gen = torch.Generator().manual_seed(self.seed * 7919 + 101 + self.rank)
         self.ptx = read_jsonl(store.fetch(data) / "ptx_train.jsonl") if ppo.ptx_coef > 0 else []
         self.fast = fast_generate_applies(ppo.fast_generate, self.strategy, self.device, base.config)
+        self.rows = logit_rows(ppo.train_batch_size, ppo.max_new_tokens, base.config.vocab_size)
         self.fast_gen = None  # built at the first rollout, sized to it
 
     def _generators(self):
@@ -211,8 +224,7 @@ class PolicyWorker(_LearnerMixin, DistributedWorker):
             ro = self._fast_generator(*ids.shape).generate(ids, mask, **kw)
         else:
             ro = generate(self.infer_model, ids, mask, **kw)
-        ro = type(ro)(*(t.cpu() for t in ro))
-        return ro if split == 1 else tuple(_chunks(ro, split))
+        return _returns(_chunks(type(ro)(*(t.cpu() for t in ro)), split))
 
     def _fast_generator(self, batch: int, prompt_len: int):
         """The FastGenerator over the actor's model (it re-reads the weights at every rollout);
@@ -234,9 +246,8 @@ class PolicyWorker(_LearnerMixin, DistributedWorker):
         info = {"fast_generate": self.fast, "cuda_graphs": False, "graph_batch_sizes": [], "weight_copy_gib": 0.0, "compiled": False}
         return info | (self.fast_gen.info() if self.fast_gen else {})
 
-    @torch.no_grad()
-    def logprobs(self, rollout) -> tuple[Tensor, Tensor]:
-        """(log-probs, entropy) of the rollout's actions under the current policy: (B, N) each."""
+    def _forward_actions(self, rollout) -> tuple[Tensor, Tensor]:
+        """(log-probs, entropy) of the rollout's actions under the active adapter: (B, N) each."""
         from tasks.ppo.generation import forward_actions
 
         with autocast(self.device):
@@ -245,14 +256,17 @@ class PolicyWorker(_LearnerMixin, DistributedWorker):
         return logp.cpu(), ent.cpu()
 
     @torch.no_grad()
-    def reference_logprobs(self, rollout) -> Tensor:
-        """Log-probs of the rollout's actions under the frozen SFT adapter (``ppo.reference`` 'shared')."""
-        from tasks.ppo.generation import forward_actions
+    def logprobs(self, *rollouts):
+        """(log-probs, entropy) of each rollout's actions under the current policy: (B_j, N) each,
+        one return per rollout."""
+        return _returns(score_together(self._forward_actions, rollouts, self.rows))
 
-        with active_adapter(self.infer_model, REFERENCE_ADAPTER), autocast(self.device):
-            logp, _ = forward_actions(self.infer_model, rollout.sequences.to(self.device), rollout.attention_mask.to(self.device),
-                                      rollout.action_mask.shape[1], self.ppo.temperature)
-        return logp.cpu()
+    @torch.no_grad()
+    def reference_logprobs(self, *rollouts):
+        """Log-probs (B_j, N) of each rollout's actions under the frozen SFT adapter (``ppo.reference``
+        'shared'), one return per rollout."""
+        with active_adapter(self.infer_model, REFERENCE_ADAPTER):
+            return _returns([logp for logp, _ in score_together(self._forward_actions, rollouts, self.rows)])
 
     def learn(self, kl_coef: float, *experience: Experience) -> dict[str, float]:
         """ppo_epochs passes over this rank's minibatches, one optimizer step each. ``kl_coef``:
@@ -323,14 +337,19 @@ class ReferenceWorker(DistributedWorker):
         self.ppo = ppo
         base = load_causal_lm(model_cfg, self.device)
         self.model = PeftModel.from_pretrained(base, str(store.fetch(sft) / "adapter")).eval().requires_grad_(False)
+        self.rows = logit_rows(ppo.train_batch_size, ppo.max_new_tokens, base.config.vocab_size)
 
-    @torch.no_grad()
-    def reference_logprobs(self, rollout) -> Tensor:
+    def _logprobs(self, rollout) -> Tensor:
         from tasks.ppo.generation import action_logprobs
 
         with autocast(self.device):
             return action_logprobs(self.model, rollout.sequences.to(self.device), rollout.attention_mask.to(self.device),
                                    rollout.action_mask.shape[1], self.ppo.temperature).cpu()
+
+    @torch.no_grad()
+    def reference_logprobs(self, *rollouts):
+        """Log-probs (B_j, N) of each rollout's actions, one return per rollout."""
+        return _returns(score_together(self._logprobs, rollouts, self.rows))
 
 
 class RewardWorker(DistributedWorker):
@@ -342,7 +361,11 @@ class RewardWorker(DistributedWorker):
         self.model = load_reward_model(str(store.fetch(rm)), device=self.device).eval().requires_grad_(False)
 
     @torch.no_grad()
-    def score(self, rollout) -> Tensor:
+    def score(self, *rollouts):
+        """The score (B_j,) of each rollout's rows, one return per rollout (all in one forward)."""
+        return _returns(score_together(self._score, rollouts))
+
+    def _score(self, rollout) -> Tensor:
         # the reward model reads the last token of the attention mask — the first stop token, or
         # the last one of a truncated response — and takes positions from the mask, so left-padded
         # rollouts score as the right-padded pairs it was trained on (pad == eos changes nothing)
@@ -404,9 +427,13 @@ class CriticWorker(_LearnerMixin, DistributedWorker):
         self.learn_gen = torch.Generator().manual_seed(self.seed * 7919 + 202 + self.rank)
 
     @torch.no_grad()
-    def score(self, rollout) -> Tensor:
-        """The frozen reward model's score (``ppo.reward_model`` 'shared'): this worker's body with
-        the LoRA adapter disabled, which is the reward model's body, and its head as loaded."""
+    def score(self, *rollouts):
+        """The frozen reward model's score (B_j,) of each rollout's rows (``ppo.reward_model``
+        'shared'), one return per rollout (all in one forward): this worker's body with the LoRA
+        adapter disabled, which is the reward model's body, and its head as loaded."""
+        return _returns(score_together(self._score, rollouts))
+
+    def _score(self, rollout) -> Tensor:
         rm = self.infer_model.rm
         span = attended_span(rollout.attention_mask, rollout.action_mask.shape[1])
         with rm.body.disable_adapter(), autocast(self.device):
@@ -417,7 +444,11 @@ class CriticWorker(_LearnerMixin, DistributedWorker):
         return (self.learn_gen,)
 
     @torch.no_grad()
-    def values(self, rollout) -> Tensor:
+    def values(self, *rollouts):
+        """Values (B_j, N) of each rollout's states, one return per rollout (all in one forward)."""
+        return _returns(score_together(self._values, rollouts))
+
+    def _values(self, rollout) -> Tensor:
         with autocast(self.device):
             return self.infer_model(rollout.sequences.to(self.device), rollout.attention_mask.to(self.device),
                                     rollout.action_mask.shape[1]).cpu()

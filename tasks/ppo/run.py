@@ -2,8 +2,9 @@
 ``tasks.ppo.train.train_ppo``: what one iteration sends where, and what an evaluation measures.
 
 The driver only moves object refs: prompts to the actor workers, rollout refs to the other roles
-and to the reward terms' Ray tasks, experience refs (made in a Ray task, tasks/ppo/experience.py)
-to the learner ranks.
+(each worker one call per scoring method with all of its chunks, ``RoleGroup.deal``; it scores
+them in as few forwards as fit) and to the reward terms' Ray tasks, experience refs (made in a
+Ray task, tasks/ppo/experience.py) to the learner ranks.
 """
 
 from __future__ import annotations
@@ -42,9 +43,10 @@ class PPORun:
         self.rm_only = [(r.kind, r.weight) for r in cfg.rewards] == [("model", 1.0)]
 
     def _score(self, rollouts: list, records: list[list[dict]] | None) -> tuple[list, list, list[list]]:
-        """(policy (logp, entropy), reference logp, per ``ppo.rewards`` term its scores) refs, chunk j
-        to worker j % n. The reference is the `initial` group's, or with ``ppo.reference`` 'shared' the
-        actor's; a model term the `reward` group's, or the critic's when it serves the reward model
+        """(policy (logp, entropy), reference logp, per ``ppo.rewards`` term its scores) refs, one per
+        chunk: chunk j to worker j % n, one call per worker and method (``RoleGroup.deal``). The
+        reference is the `initial` group's, or with ``ppo.reference`` 'shared' the actor's; a model
+        term the `reward` group's, or the critic's when it serves the reward model
         (``ppo.reward_model``); a function or http term a Ray task per chunk (``records[j]``: the
         prompt records of chunk j's rows)."""
         g = self.g
@@ -53,14 +55,13 @@ class PPORun:
         for i, src in enumerate(self.cfg.rewards):
             if src.kind == "model":
                 reward = g.get("reward", g.get("critic"))
-                terms.append([reward.deal(j).score.remote(r) for j, r in enumerate(rollouts)])
+                terms.append(reward.deal("score", rollouts))
             else:
                 if records is None:
                     raise ValueError(f"ppo.rewards[{i}] (kind {src.kind!r}) needs each prompt's record: pass records")
                 terms.append([self.score_chunk.options(num_cpus=src.num_cpus).remote(
                     src, i, r, self.tok_ref, [x["prompt"] for x in recs], _metadata(recs)) for r, recs in zip(rollouts, records)])
-        return ([g["actor"].deal(j).logprobs.remote(r) for j, r in enumerate(rollouts)],
-                [reference.deal(j).reference_logprobs.remote(r) for j, r in enumerate(rollouts)], terms)
+        return g["actor"].deal("logprobs", rollouts), reference.deal("reference_logprobs", rollouts), terms
 
     def iteration(self, it: int, prompts: list[list[int]], kl_ctl, records: list[dict] | None = None) -> dict:
         """One rollout + learn step on ``prompts`` (token ids; ``records``: their prompt records,
@@ -86,9 +87,10 @@ class PPORun:
             rollouts += [out] if k == 1 else list(out)
         tb = cfg.train_batch_size
         chunk_records = None if records is None else [records[j * tb:(j + 1) * tb] for j in range(len(rollouts))]
-        # 3. the rollout refs go straight to the other roles (top-level args: Ray resolves them there)
+        # 3. the rollout refs go straight to the other roles (top-level args: Ray resolves them there),
+        #    each worker all of its chunks in one call per method
         policy, ref, terms = self._score(rollouts, chunk_records)
-        values = [critic.deal(j).values.remote(r) for j, r in enumerate(rollouts)] if critic is not None else []
+        values = critic.deal("values", rollouts) if critic is not None else []
         ray.wait(rollouts, num_returns=len(rollouts), fetch_local=False)
         t_gen = time.perf_counter()
         # 4. rewards, advantages (ppo.advantage), whitening: in a Ray task, not on the driver
