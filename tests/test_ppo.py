@@ -202,6 +202,38 @@ def test_ppo_raises_reward_and_true_score_with_bounded_kl(stages):
 
 
 # -- distribution ----------------------------------------------------------------------------------
+def test_deal_sends_each_worker_its_chunks_in_one_call(ray_cluster):
+    """RoleGroup.deal: chunk j to worker j % n, one call per worker with all of its chunks, one
+    Ray return per chunk, in chunk order; a worker of one chunk returns that value whole (here a
+    tuple, as the actor's (log-probs, entropy)), a worker of none gets no call."""
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    from tasks.ppo.config import RoleConfig
+    from tasks.ppo.group import DistributedWorker, RoleGroup, as_returns
+
+    class Recorder(DistributedWorker):
+        calls = 0
+
+        def echo(self, *chunks):
+            self.calls += 1
+            return as_returns([(self.rank, c) for c in chunks])
+
+        def count(self) -> int:
+            return self.calls
+
+    pg = ray.util.placement_group([{"CPU": 0.5}] * 3)
+    ray.get(pg.ready())
+    group = RoleGroup("recorder", Recorder, RoleConfig(num_workers=3, cpus_per_worker=0.5), pg, "ddp", SEED, "cpu")
+    try:
+        assert ray.get(group.deal("echo", list("abcdefg"))) == [(0, "a"), (1, "b"), (2, "c"), (0, "d"), (1, "e"), (2, "f"), (0, "g")]
+        assert ray.get(group.deal("echo", list("ab"))) == [(0, "a"), (1, "b")]
+        assert ray.get([w.count.remote() for w in group.workers]) == [2, 2, 1]
+    finally:
+        group.kill()
+        remove_placement_group(pg)
+
+
 @pytest.mark.slow
 def test_two_ddp_workers_per_learner_stay_identical(stages):
     """actor x2 and critic x2 (gloo DDP), all roles colocated in one placement group; the reference

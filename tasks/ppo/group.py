@@ -211,6 +211,12 @@ class RoleGroup:
             ray.kill(w)
 
 
+def as_returns(outs: list):
+    """A worker method's ``outs`` as its Ray returns (``num_returns=len(outs)``, ``RoleGroup.deal``):
+    one as itself, since a single return is the value, not a 1-tuple."""
+    return outs[0] if len(outs) == 1 else tuple(outs)
+
+
 class DistributedWorker:
     """What every role actor shares: its rank, the process group, device and thread count."""
 

@@ -46,7 +46,7 @@ from tasks.common.model import checkpoint_blocks
 from tasks.ppo.config import PPOConfig
 from tasks.ppo.experience import NONFINITE_ADVICE, Experience
 from tasks.ppo.fast_generate import fast_generate_applies
-from tasks.ppo.group import DistributedWorker, agree_finished, compile_blocks, full_state, load_full_state, prime_cpu_adam, wants_compile, wrap_learner
+from tasks.ppo.group import DistributedWorker, agree_finished, as_returns, compile_blocks, full_state, load_full_state, prime_cpu_adam, wants_compile, wrap_learner
 from tasks.ppo.padding import attended_span, cut, logit_rows, pad_actions, score_together
 
 
@@ -54,12 +54,6 @@ def _chunks(rollout, n: int):
     """Split a Rollout into ``n`` equal row chunks (each a Rollout)."""
     size = rollout.sequences.shape[0] // n
     return [type(rollout)(*(t[i * size:(i + 1) * size] for t in rollout)) for i in range(n)]
-
-
-def _returns(outs: list):
-    """``outs`` as the method's Ray returns (``num_returns=len(outs)``): one as itself, since a
-    single return is the value, not a 1-tuple."""
-    return outs[0] if len(outs) == 1 else tuple(outs)
 
 
 def _rng_state(*generators: torch.Generator) -> dict:
@@ -224,7 +218,7 @@ class PolicyWorker(_LearnerMixin, DistributedWorker):
             ro = self._fast_generator(*ids.shape).generate(ids, mask, **kw)
         else:
             ro = generate(self.infer_model, ids, mask, **kw)
-        return _returns(_chunks(type(ro)(*(t.cpu() for t in ro)), split))
+        return as_returns(_chunks(type(ro)(*(t.cpu() for t in ro)), split))
 
     def _fast_generator(self, batch: int, prompt_len: int):
         """The FastGenerator over the actor's model (it re-reads the weights at every rollout);
@@ -259,14 +253,14 @@ class PolicyWorker(_LearnerMixin, DistributedWorker):
     def logprobs(self, *rollouts):
         """(log-probs, entropy) of each rollout's actions under the current policy: (B_j, N) each,
         one return per rollout."""
-        return _returns(score_together(self._forward_actions, rollouts, self.rows))
+        return as_returns(score_together(self._forward_actions, rollouts, self.rows))
 
     @torch.no_grad()
     def reference_logprobs(self, *rollouts):
         """Log-probs (B_j, N) of each rollout's actions under the frozen SFT adapter (``ppo.reference``
         'shared'), one return per rollout."""
         with active_adapter(self.infer_model, REFERENCE_ADAPTER):
-            return _returns([logp for logp, _ in score_together(self._forward_actions, rollouts, self.rows)])
+            return as_returns([logp for logp, _ in score_together(self._forward_actions, rollouts, self.rows)])
 
     def learn(self, kl_coef: float, *experience: Experience) -> dict[str, float]:
         """ppo_epochs passes over this rank's minibatches, one optimizer step each. ``kl_coef``:
@@ -349,7 +343,7 @@ class ReferenceWorker(DistributedWorker):
     @torch.no_grad()
     def reference_logprobs(self, *rollouts):
         """Log-probs (B_j, N) of each rollout's actions, one return per rollout."""
-        return _returns(score_together(self._logprobs, rollouts, self.rows))
+        return as_returns(score_together(self._logprobs, rollouts, self.rows))
 
 
 class RewardWorker(DistributedWorker):
@@ -363,7 +357,7 @@ class RewardWorker(DistributedWorker):
     @torch.no_grad()
     def score(self, *rollouts):
         """The score (B_j,) of each rollout's rows, one return per rollout (all in one forward)."""
-        return _returns(score_together(self._score, rollouts))
+        return as_returns(score_together(self._score, rollouts))
 
     def _score(self, rollout) -> Tensor:
         # the reward model reads the last token of the attention mask — the first stop token, or
@@ -431,7 +425,7 @@ class CriticWorker(_LearnerMixin, DistributedWorker):
         """The frozen reward model's score (B_j,) of each rollout's rows (``ppo.reward_model``
         'shared'), one return per rollout (all in one forward): this worker's body with the LoRA
         adapter disabled, which is the reward model's body, and its head as loaded."""
-        return _returns(score_together(self._score, rollouts))
+        return as_returns(score_together(self._score, rollouts))
 
     def _score(self, rollout) -> Tensor:
         rm = self.infer_model.rm
@@ -446,7 +440,7 @@ class CriticWorker(_LearnerMixin, DistributedWorker):
     @torch.no_grad()
     def values(self, *rollouts):
         """Values (B_j, N) of each rollout's states, one return per rollout (all in one forward)."""
-        return _returns(score_together(self._values, rollouts))
+        return as_returns(score_together(self._values, rollouts))
 
     def _values(self, rollout) -> Tensor:
         with autocast(self.device):
