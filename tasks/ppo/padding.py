@@ -12,9 +12,11 @@ cumulative sum) and the attention over the kept tokens (the cut columns were mas
 outputs equal the uncut forward's up to summation order. The kept width is rounded up to a
 multiple of ``multiple`` (by cutting less on the left) so compiled blocks see few shapes.
 
-The same two facts make the scorers' fusion exact (``score_together``): chunks of different
-widths (prompts left-padded per generating worker) are left-padded to the widest with columns no
-row attends and concatenated along rows, so one forward scores several chunks.
+The same two facts let one forward score several chunks (``score_together``): chunks of
+different widths (prompts left-padded per generating worker) are left-padded to the widest with
+columns no row attends and concatenated along rows, and every output where the action mask is 1
+equals the chunk's own forward's up to summation order (after a row's stop, where it is 0, a
+column cut for the chunk alone may be computed in the fused batch).
 """
 
 from __future__ import annotations
