@@ -322,3 +322,18 @@ def test_overlong_prompts_pass_preflight_and_are_counted(world, tmp_path):
     meta = json.loads((store.fetch(ref.key) / "meta.json").read_text())
     assert meta["truncated"]["prompts"] == 6
     assert store.manifest(ref.key)["metrics"]["data/truncated"] >= 6
+
+
+def test_bare_on_and_off_reach_the_switch_fields_as_words(tmp_path):
+    """YAML reads a bare on / off as a bool: `--set ppo.compile=off` (seen on the H200: "Input
+    should be 'auto', 'on' or 'off'") and `compile: off` in a config file mean the words."""
+    from flows.config import ConfigError, load_config
+
+    c = load_config(None, ["ppo.compile=off", "ppo.fast_generate=on", "sft.gradient_checkpointing=off"])
+    assert (c.ppo.compile, c.ppo.fast_generate, c.sft.gradient_checkpointing) == ("off", "on", "off")
+    p = tmp_path / "rlhf.yaml"
+    p.write_text("rm:\n  gradient_checkpointing: on\nppo:\n  gradient_checkpointing: off\n")
+    c = load_config(p)
+    assert (c.rm.gradient_checkpointing, c.ppo.gradient_checkpointing) == ("on", "off")
+    with pytest.raises(ConfigError, match="ppo.compile"):
+        load_config(None, ["ppo.compile=sometimes"])

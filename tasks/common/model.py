@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
 from tasks.common.builtin import BUILTIN_PREFIX, builtin_dir
 
@@ -204,7 +204,15 @@ def placement_record(device: str) -> dict:
 # 'auto' activation checkpointing: on for CUDA models above this many parameters, where the
 # activations of a realistic batch (64 x 512 tokens) outgrow what recomputing them costs
 CHECKPOINT_AUTO_PARAMS = 1e9
-CheckpointMode = Literal["auto", "on", "off"]
+
+
+def _bare_switch(v):
+    """YAML 1.1 reads a bare on / off (``--set ppo.compile=off``, ``compile: off`` in a config
+    file) as a bool: take True / False as 'on' / 'off'."""
+    return ("on" if v else "off") if isinstance(v, bool) else v
+
+
+Switch = Annotated[Literal["auto", "on", "off"], BeforeValidator(_bare_switch)]  # a config field of 'auto' / 'on' / 'off'
 CHECKPOINT_HELP = ("Activation (gradient) checkpointing of every transformer block: its activations are recomputed in the "
                    "backward pass instead of kept (about a third more compute; memory of one block's activations instead "
                    "of all). 'auto' = on for CUDA models over 1B parameters, 'on', 'off'.")

@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from tasks.common.model import CHECKPOINT_HELP, CheckpointMode
+from tasks.common.model import CHECKPOINT_HELP, Switch
 
 ROLES = ("actor", "critic", "initial", "reward")
 LEARNERS = ("actor", "critic")
@@ -118,10 +118,10 @@ class PPOConfig(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling (1.0: off).")
     stop_token_ids: list[int] = Field(default_factory=list, description="Token ids that also end a response, besides the model's own stop ids (always on: the tokenizer's eos, generation_config.eos_token_id, which may be a list, and the chat template's turn-end token such as <|im_end|>). The response's score is read at its first stop token.")
     stop_strings: list[str] = Field(default_factory=list, description="Strings that also end a response; each must be a single token of the tokenizer (e.g. '<|eot_id|>'), checked before any model loads.")
-    fast_generate: Literal["auto", "on", "off"] = Field("auto", description="Rollouts with tasks/ppo/fast_generate.py (static KV cache; CUDA graphs on CUDA): 'auto' = on for CUDA actors of a Llama-family model with strategy 'ddp', 'on' = also on CPU (eager) and an error where it cannot apply, 'off' = the plain loop of tasks/ppo/generation.py.")
+    fast_generate: Switch = Field("auto", description="Rollouts with tasks/ppo/fast_generate.py (static KV cache; CUDA graphs on CUDA): 'auto' = on for CUDA actors of a Llama-family model with strategy 'ddp', 'on' = also on CPU (eager) and an error where it cannot apply, 'off' = the plain loop of tasks/ppo/generation.py.")
 
-    gradient_checkpointing: CheckpointMode = Field("auto", description=CHECKPOINT_HELP + " For the learners (actor, critic).")
-    compile: Literal["auto", "on", "off"] = Field("auto", description="torch.compile each transformer block of the learners (actor, critic): fuses the norms, RoPE, activations and casts around the matmuls. 'auto' = on for CUDA roles of models of 50M+ parameters (the first iteration pays ~1 min of compilation) except under colossalai_gemini (its chunk hooks do not trace), 'on' = also on CPU, 'off' = eager.")
+    gradient_checkpointing: Switch = Field("auto", description=CHECKPOINT_HELP + " For the learners (actor, critic).")
+    compile: Switch = Field("auto", description="torch.compile each transformer block of the learners (actor, critic): fuses the norms, RoPE, activations and casts around the matmuls. 'auto' = on for CUDA roles of models of 50M+ parameters (the first iteration pays ~1 min of compilation) except under colossalai_gemini (its chunk hooks do not trace), 'on' = also on CPU, 'off' = eager.")
     detect_anomaly: bool = Field(False, description="Debugging a NaN: the learners run autograd's anomaly mode (torch.autograd.set_detect_anomaly), so the first backward op that returns a NaN stops the run with the op's name and the forward line that made it. Slow (every op keeps its traceback); with ppo.compile 'off' it names ops, not compiled blocks.")
 
     # -- evaluation, checkpoints, logging

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tasks.common.model import CHECKPOINT_HELP, CheckpointMode
+from tasks.common.model import CHECKPOINT_HELP, Switch
 
 
 class RewardConfig(BaseModel):
@@ -29,4 +29,4 @@ class RewardConfig(BaseModel):
     log_every: int = Field(10, gt=0, description="Log every N optimizer steps.")
     num_workers: int = Field(1, gt=0, description="Data-parallel workers (DDP).")
     device: str = Field("auto", description="'auto', 'cpu' or 'cuda'.")
-    gradient_checkpointing: CheckpointMode = Field("auto", description=CHECKPOINT_HELP)
+    gradient_checkpointing: Switch = Field("auto", description=CHECKPOINT_HELP)

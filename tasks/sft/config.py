@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tasks.common.model import CHECKPOINT_HELP, CheckpointMode
+from tasks.common.model import CHECKPOINT_HELP, Switch
 
 
 class SFTConfig(BaseModel):
@@ -28,5 +28,5 @@ class SFTConfig(BaseModel):
     log_every: int = Field(10, gt=0, description="Log a progress line every N optimizer steps.")
     num_workers: int = Field(1, gt=0, description="Data-parallel workers (torch.distributed DDP; gloo on CPU).")
     device: str = Field("auto", description="'auto', 'cpu' or 'cuda'.")
-    gradient_checkpointing: CheckpointMode = Field("auto", description=CHECKPOINT_HELP)
+    gradient_checkpointing: Switch = Field("auto", description=CHECKPOINT_HELP)
     resume: bool = Field(True, description="Resume from the in-progress checkpoint `<key>-partial` (adapter + trainer_state.pt, written every eval_every steps) when one exists.")
