@@ -20,6 +20,8 @@ SHAPES = {
     "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4),
     "0.4b": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=16),
     "1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=18, num_attention_heads=16, num_key_value_heads=16),
+    # Qwen2-1.5B's body as a Llama (bench/gpu_shapes.py's 1.5b, with this file's vocabulary)
+    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2),
 }
 VOCAB = 32000
 H200_BF16_DENSE_TFLOPS = 989.0  # datasheet, dense (no sparsity)

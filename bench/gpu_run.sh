@@ -4,6 +4,7 @@
 #   bash bench/gpu_run.sh tests default 1.5b 8b grpo   # each step writes its logs into $OUT/logs.tgz
 #   bash bench/gpu_run.sh rollout match               # issue 18: realistic rollouts; the stage beside the bench
 #   bash bench/gpu_run.sh attn                        # issue 18: cuDNN's SDPA backward on left-pad rows (the stage's NaN), off and on
+#   bash bench/gpu_run.sh mfu                         # issue 18: useful-token MFU of the learn phase on ragged rollouts, 0.4B and 1.5B
 #   bash bench/gpu_run.sh nan stage                   # issue 18: which forward turns NaN on the GPU (bench/nan_probe.py); the
 #                                                     # 0.3b stage (fast and plain rollouts), stopping at the first non-finite number
 # grpo = bench/grpo_iteration.py (GRPO n=8 vs PPO, 0.4B shape) and the embedded default with GRPO and the rule as reward.
@@ -27,6 +28,8 @@ for step in "$@"; do
            grep -E "FloatingPointError|not finite|gradient norm|loss is|anomaly|Error detected in|returned nan" "$OUT/stage.log" | cut -c1-1200 | sort | uniq -c | head; tail -8 "$OUT/stage.log" ;;
     attn) timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_attention_backward.py > "$OUT/attn_test.log" 2>&1; tail -3 "$OUT/attn_test.log"
           timeout 120 python3 bench/cudnn_attention_nan.py --out "$OUT/cudnn_attention_nan.json" > "$OUT/cudnn_attention_nan.log" 2>&1; tail -13 "$OUT/cudnn_attention_nan.log" ;;
+    mfu) for sh in 0.4b 1.5b; do timeout 280 python3 bench/useful_mfu.py --shape "$sh" ${MFU_ARGS:-} --out "$OUT/useful_mfu_$sh.json" > "$OUT/mfu_$sh.log" 2>&1
+           tail -3 "$OUT/mfu_$sh.log"; done ;;
     rollout) timeout 240 python3 bench/rollout_realistic.py --out "$OUT/rollout_realistic.json" > "$OUT/rollout.log" 2>&1; tail -7 "$OUT/rollout.log" ;;
     match)  # issue 18: the PPO stage and the in-process iteration on one workload (bench/ppo_stage_gpu.py's 0.3b run)
             timeout 240 python3 bench/ppo_iteration.py --batch 64 --prompt-len 11 --new-tokens 64 --vocab 512 --lora-actor 32 \

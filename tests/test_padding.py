@@ -13,7 +13,7 @@ import torch
 from tasks.common.model import ModelConfig, load_causal_lm, load_tokenizer
 from tasks.ppo.generation import action_logprobs, forward_actions, position_ids_from_mask
 from tasks.ppo.losses import logprobs_from_logits
-from tasks.ppo.padding import Span, attended_span, cut, pad_actions
+from tasks.ppo.padding import Span, attended_span, cut, length_order, pad_actions
 
 
 def mask(rows: list[str]) -> torch.Tensor:
@@ -204,3 +204,31 @@ def test_logit_rows_caps_the_actors_scoring_forward_in_whole_chunks():
     assert logit_rows(16, 64, 151936) == 16  # 27 rows: one chunk
     assert logit_rows(3, 1024, 2**20) == 3  # not even one row fits: still the chunk
     assert logit_rows(16, 8, 96) == 349520 and logit_rows(16, 8, 96) % 16 == 0  # a small vocab: every row at once
+
+
+def test_length_order_puts_rows_of_similar_length_into_one_minibatch():
+    """A minibatch computes its longest prompt plus its longest response. By hand: responses of
+    2 33 2 30 tokens under prompts of 3 -> minibatches of two {33, 30} and {2, 2} (48 + 16 columns
+    instead of 48 + 48); equal rows keep their order. Ragged batches of 64 rows in minibatches of
+    16: fewer columns than in rollout order, never more in groups, and groups stay whole."""
+    P, N = 8, 40
+    cols = torch.arange(P + N)[None]
+    m = ((cols >= P - 3) & (cols < P + torch.tensor([2, 33, 2, 30])[:, None])).long()
+    assert length_order(m, N, 2).tolist() == [1, 3, 0, 2]
+    assert length_order(torch.ones(4, 7, dtype=torch.long), 3, 2).tolist() == [0, 1, 2, 3]
+
+    g = torch.Generator().manual_seed(3)
+    for P, N, lo in ((256, 256, 20), (128, 128, 100), (512, 128, 16), (48, 64, 4)):
+        B = 64
+        plen, rlen = torch.randint(lo, P + 1, (B,), generator=g), torch.randint(1, N + 1, (B,), generator=g)
+        cols = torch.arange(P + N)[None]
+        attn = ((cols >= P - plen[:, None]) & (cols < P + rlen[:, None])).long()
+        width = lambda a: sum(s.stop - s.start for s in (attended_span(c, N) for c in a.split(16)))  # noqa: E731
+        order = length_order(attn, N, 16)
+        assert sorted(order.tolist()) == list(range(B))
+        assert width(attn[order]) < 0.95 * width(attn), (P, N, width(attn[order]), width(attn))
+        for grp in (2, 4, 8):  # groups of consecutive rows stay consecutive and whole
+            o = length_order(attn, N, 16, grp)
+            assert width(attn[o]) <= width(attn)
+            o = o.view(-1, grp)
+            assert torch.equal(o - o[:, :1], torch.arange(grp).expand_as(o)) and bool((o[:, 0] % grp == 0).all())

@@ -295,3 +295,38 @@ def test_ppo_detect_anomaly_names_the_backward_op_that_made_the_nan():
         with pytest.raises(RuntimeError, match="SqrtBackward0.* returned nan"):
             _LearnerMixin._step(learner, loss)
     assert torch.equal(w.detach(), torch.tensor([0.0, 4.0]))
+
+
+def test_make_experience_minibatches_of_similar_length_carry_each_row_whole():
+    """ppo.bucket_by_length: the learners' chunks hold rows of similar length (fewer columns to
+    compute), every row once, each with its own log-probs, advantages and returns; off: rollout
+    order. Chunks of two widths (two generating workers) come out at the wider one."""
+    from tasks.ppo.padding import attended_span, left_pad_cat
+
+    g = torch.Generator().manual_seed(11)
+    N, sizes, ros, lps = 40, 4, [], []
+    for P in (6, 9):  # two workers' chunks of 2 x 4 rows with their own prompt widths
+        for _ in range(2):
+            plen, rlen = torch.randint(1, P + 1, (sizes,), generator=g), torch.randint(1, N + 1, (sizes,), generator=g)
+            cols = torch.arange(P + N)[None]
+            attn = ((cols >= P - plen[:, None]) & (cols < P + rlen[:, None])).long()
+            ros.append(Rollout(torch.randint(3, 50, (sizes, P + N), generator=g) * attn, attn,
+                               attn[:, P:].float(), torch.ones(sizes, dtype=torch.bool)))
+            lps.append(torch.randn(sizes, N, generator=g))
+    scores = [torch.randn(sizes, generator=g) for _ in ros]
+    parts = (*ros, *[(p, torch.zeros_like(p)) for p in lps], *lps, *[torch.zeros_like(p) for p in lps], *scores)
+    whole = left_pad_cat(ros)
+    width = lambda exps: sum(attended_span(e.attention_mask, N).stop - attended_span(e.attention_mask, N).start for e in exps)  # noqa: E731
+    runs = {}
+    for bucket in (False, True):
+        cfg = PPOConfig(rollout_batch_size=16, train_batch_size=4, bucket_by_length=bucket)
+        *exps, _ = make_experience(cfg, 0.1, 4, *parts)
+        seqs = torch.cat([e.sequences for e in exps])
+        assert seqs.shape == whole.sequences.shape
+        rows = [next(i for i in range(16) if torch.equal(s, whole.sequences[i])) for s in seqs]  # where each row came from
+        assert sorted(rows) == list(range(16))
+        assert torch.equal(torch.cat([e.logprobs for e in exps]), torch.cat(lps)[rows])
+        runs[bucket] = rows, torch.cat([e.advantages for e in exps]), width(exps)
+    assert runs[False][0] == list(range(16)) and runs[True][0] != runs[False][0]
+    assert torch.allclose(runs[True][1], runs[False][1][runs[True][0]])  # the same advantages, reordered
+    assert runs[True][2] < runs[False][2], (runs[True][2], runs[False][2])

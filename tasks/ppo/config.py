@@ -91,6 +91,7 @@ class PPOConfig(BaseModel):
     value_clip: float | None = Field(0.4, gt=0.0, description="Value clip around the rollout's values (seed 0.4); None: unclipped.")
     gamma: float = Field(1.0, ge=0.0, le=1.0, description="Discount of GAE and of the critic-free estimators' returns-to-go.")
     lam: float = Field(0.95, ge=0.0, le=1.0, description="GAE lambda (1.0 with gamma 1.0 gives the seed's reward - value).")
+    bucket_by_length: bool = Field(True, description="The learners' minibatches hold rows of similar length (attended tokens, longest first; a group of n_samples_per_prompt moves as one), so their forwards, which skip the columns no row of a minibatch attends, skip more of the padding of ragged rollouts. Off: minibatches in rollout order. The advantages and their whitening are over the whole rollout either way.")
     whiten_advantages: bool | None = Field(None, description="Whiten advantages over the rollout batch. None: on for gae and reinforce_pp (REINFORCE++'s batch-whitened baseline), off for grpo and rloo (their baseline is the group's).")
 
     # -- the advantage estimator (tasks/ppo/advantages.py) and the reward (tasks/ppo/rewards.py)

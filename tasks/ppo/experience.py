@@ -73,10 +73,12 @@ def make_experience(ppo: PPOConfig, kl_coef: float, n: int, *parts) -> tuple:
 
     ``parts`` (Ray resolves them: top-level arguments): n rollouts, n (logp, entropy), n reference
     log-probs, n critic values (only with 'gae'), then n (B_j,) scores per ``ppo.rewards`` term.
-    Returns n Experience + a stats dict.
+    Returns n Experience (the learners' minibatches: with ``ppo.bucket_by_length`` rows of similar
+    length together, not in rollout order) + a stats dict.
     """
     from tasks.ppo.advantages import returns_to_go
     from tasks.ppo.losses import apply_missing_eos_penalty, gae, kl_k1, kl_k3, masked_mean, masked_whiten, token_rewards
+    from tasks.ppo.padding import left_pad_cat, length_order
 
     chunks = [parts[i * n:(i + 1) * n] for i in range(len(parts) // n)]
     rollouts, policy, ref = chunks[0], chunks[1], chunks[2]
@@ -103,9 +105,14 @@ def make_experience(ppo: PPOConfig, kl_coef: float, n: int, *parts) -> tuple:
         adv = ret
     if ppo.whiten:
         adv = masked_whiten(adv, mask)
-    split = lambda x: x.split(sizes)  # noqa: E731
-    exps = tuple(Experience(ro.sequences, ro.attention_mask, *fields)
-                 for ro, *fields in zip(rollouts, split(mask), split(logp), split(v), split(adv), split(ret), split(ref_logp)))
+    # the learners' minibatches: the chunks' rows as one batch (chunks of different widths left-padded
+    # to the widest), ordered by length with ppo.bucket_by_length, cut into chunks of the same sizes
+    batch = left_pad_cat(rollouts)
+    order = (length_order(batch.attention_mask, mask.shape[1], sizes[0], ppo.n_samples_per_prompt) if ppo.bucket_by_length
+             else torch.arange(len(mask)))
+    take = lambda x: x[order].split(sizes)  # noqa: E731
+    exps = tuple(Experience(*fields) for fields in zip(*(take(x) for x in (batch.sequences, batch.attention_mask, mask, logp, v,
+                                                                          adv, ret, ref_logp))))
     stats = {
         "reward_mean": float(score.mean()), "reward_std": float(score.std()) if len(score) > 1 else 0.0,
         "kl": float((masked_mean(kl, mask, dim=1) * mask.sum(1)).mean()), "entropy": float(masked_mean(ent, mask)),

@@ -10,7 +10,9 @@ per-action outputs are padded back to N columns with zeros, where the action mas
 Cutting only whole columns keeps each kept token's position (positions come from the mask's
 cumulative sum) and the attention over the kept tokens (the cut columns were masked keys), so the
 outputs equal the uncut forward's up to summation order. The kept width is rounded up to a
-multiple of ``multiple`` (by cutting less on the left) so compiled blocks see few shapes.
+multiple of ``multiple`` (by cutting less on the left) so compiled blocks see few shapes. What
+a minibatch can cut depends on its rows: ``length_order`` (ppo.bucket_by_length) puts rows of
+similar length into one.
 
 The same two facts let one forward score several chunks (``score_together``): chunks of
 different widths (prompts left-padded per generating worker) are left-padded to the widest with
@@ -69,6 +71,30 @@ def pad_actions(x: Tensor, span: Span) -> Tensor:
     if missing == 0:
         return x
     return torch.cat([x, x.new_zeros((x.shape[0], missing, *x.shape[2:]))], dim=1)
+
+
+def length_order(attention_mask: Tensor, num_actions: int, chunk_rows: int, group: int = 1) -> Tensor:
+    """A permutation (B,) of the rows of ``attention_mask`` (B, L) such that its consecutive
+    minibatches of ``chunk_rows`` rows compute fewer columns (``attended_span``): a minibatch's
+    width is its longest prompt plus its longest response, so rows of similar lengths go together.
+    Of the orders by response length, by prompt length, by their sum and by the larger of their
+    shares of the columns (each longest first, stable), and the rollout order itself, the one whose
+    minibatches compute the fewest columns. The ``group`` consecutive rows of a group
+    (n_samples_per_prompt) move as one, keyed by their longest row."""
+    B, L = attention_mask.shape
+    P = L - num_actions
+    response, prompt = attention_mask[:, P:].sum(1), attention_mask[:, :P].sum(1)
+
+    def by(key: Tensor) -> Tensor:
+        groups = torch.sort(key.view(B // group, group).amax(1), descending=True, stable=True).indices
+        return (groups[:, None] * group + torch.arange(group)).flatten()
+
+    def columns(order: Tensor) -> int:
+        return sum(s.stop - s.start for s in (attended_span(c, num_actions) for c in attention_mask[order].split(chunk_rows)))
+
+    orders = [torch.arange(B), *(by(k) for k in (response, prompt, response + prompt,
+                                                 torch.maximum(response / num_actions, prompt / max(P, 1))))]
+    return min(orders, key=columns)
 
 
 def logit_rows(chunk_rows: int, max_new_tokens: int, vocab_size: int) -> int:

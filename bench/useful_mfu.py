@@ -1,0 +1,143 @@
+"""The learn phase on ragged rollouts: how much of the GPU's work is on real tokens (issue 18).
+
+    python3 bench/useful_mfu.py --shape 0.4b --out bench/results/useful_mfu_0.4b.json     # on the H200
+    python3 bench/useful_mfu.py --shape 1.5b --lora-actor 32 --out bench/results/useful_mfu_1.5b.json
+    python3 bench/useful_mfu.py --shape tiny --batch 16 --minibatch 4 --reps 1            # CPU: a smoke run
+
+A rollout batch as users' data makes it: prompts of ``--prompt-len`` / 4 .. ``--prompt-len``
+tokens, left-padded, and responses that stop at EOS after ``--new-tokens`` / 8 .. ``--new-tokens``
+tokens (uniform, seeded). One PPO epoch over it in minibatches of ``--minibatch`` rows with the
+stage's own functions: ``action_logprobs`` + the clipped policy loss on the policy,
+``tasks.ppo.roles._Values`` (the critic's forward) + the clipped value loss, bf16 autocast over
+fp32 master weights (or a LoRA actor on a bf16 base), fused AdamW, compiled blocks on CUDA.
+Every forward skips the columns no row of its minibatch attends (tasks/ppo/padding.py).
+
+Variants, side by side in one process: minibatches in rollout order (``ppo.bucket_by_length``
+off) and ordered by ``length_order`` (on). Reported: seconds per epoch, the columns computed
+against the real tokens, **useful-token MFU** (the FLOPs of the real tokens only, over the time,
+against the 989 TFLOP/s datasheet peak) and the MFU of the tokens computed (padding included).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.common import (H200_BF16_DENSE_TFLOPS, VOCAB, build_policy, build_value_model, llama_config,  # noqa: E402
+                          machine, matmul_tflops, n_params, peak_gib, reset_peak, timed, train_flops, workload_args,
+                          write_json)
+from tasks.ppo.generation import action_logprobs  # noqa: E402
+from tasks.ppo.group import compile_blocks  # noqa: E402
+from tasks.ppo.losses import ppo_clip_loss, value_loss  # noqa: E402
+from tasks.ppo.padding import attended_span, length_order  # noqa: E402
+from tasks.ppo.roles import _Values  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def ragged_batch(B: int, P: int, N: int, vocab: int, seed: int = 0) -> dict:
+    """(B, P + N) sequences / masks of a ragged rollout, plus old log-probs, values, advantages, returns."""
+    g = torch.Generator().manual_seed(seed)
+    plen = torch.randint(max(1, P // 4), P + 1, (B,), generator=g)
+    rlen = torch.randint(max(1, N // 8), N + 1, (B,), generator=g)
+    cols = torch.arange(P + N)[None]
+    attn = ((cols >= P - plen[:, None]) & (cols < P + rlen[:, None])).long()
+    amask = attn[:, P:].float()
+    seqs = torch.randint(3, vocab, (B, P + N), generator=g) * attn
+    rnd = lambda: torch.randn(B, N, generator=g) * amask  # noqa: E731
+    exp = dict(seqs=seqs, attn=attn, amask=amask, old_logp=rnd() * 0.1 - 2.0, old_values=rnd(), adv=rnd(), returns=rnd())
+    return {k: v.to(DEV) for k, v in exp.items()}
+
+
+def epoch(policy, critic, opt, exp: dict, order: torch.Tensor, mb: int, N: int) -> None:
+    for rows in order.split(mb):
+        e = {k: v[rows] for k, v in exp.items()}
+        with torch.autocast(DEV, dtype=torch.bfloat16, enabled=DEV == "cuda"):
+            logp = action_logprobs(policy, e["seqs"], e["attn"], N)
+            pl = ppo_clip_loss(logp, e["old_logp"], e["adv"], e["amask"])
+            vl = value_loss(critic(e["seqs"], e["attn"], N), e["old_values"], e["returns"], e["amask"])
+        (pl.loss + vl.loss).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def work(cfg, exp: dict, order: torch.Tensor, mb: int, N: int) -> dict:
+    """Tokens and FLOPs of one epoch: real ones, and those the cut minibatches compute."""
+    real_tokens = int(exp["attn"].sum())
+    real_len = real_tokens / len(exp["attn"])
+    real_actions = int(exp["amask"].sum())
+    useful = (train_flops(cfg, real_tokens, real_len, real_actions + len(exp["attn"]), cfg.vocab_size)
+              + train_flops(cfg, real_tokens, real_len, real_tokens, 1))
+    computed_tokens, computed = 0, 0.0
+    for rows in order.split(mb):
+        s = attended_span(exp["attn"][rows], N)
+        t = len(rows) * (s.stop - s.start)
+        computed_tokens += t
+        computed += (train_flops(cfg, t, s.stop - s.start, len(rows) * (s.actions + 1), cfg.vocab_size)
+                     + train_flops(cfg, t, s.stop - s.start, t, 1))
+    return {"real_tokens": real_tokens, "computed_tokens": computed_tokens, "all_tokens": int(exp["attn"].numel()),
+            "useful_flops": useful, "computed_flops": computed}
+
+
+def main() -> None:
+    ap = workload_args(__doc__.splitlines()[0])
+    ap.add_argument("--minibatch", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--vocab", type=int, default=VOCAB)
+    ap.add_argument("--lora-actor", type=int, default=0, help="rank of a LoRA actor on a bf16 base (the stage's actor); 0: a full fp32-master policy")
+    a = ap.parse_args()
+    B, P, N, mb = a.batch, a.prompt_len, a.new_tokens, a.minibatch
+    torch.backends.cuda.matmul.allow_tf32 = True
+    res = {"machine": machine(), "command": " ".join(sys.argv), "shape": a.shape, "batch": B, "prompt_len": P,
+           "new_tokens": N, "minibatch": mb, "vocab": a.vocab, "lora_actor": a.lora_actor,
+           "matmul_bf16_tflops_measured": matmul_tflops() if DEV == "cuda" else float("nan"),
+           "peak_tflops_datasheet": H200_BF16_DENSE_TFLOPS, "variants": {}}
+    policy = build_policy(a.shape, DEV, vocab=a.vocab)
+    if a.lora_actor:
+        from peft import LoraConfig, get_peft_model
+
+        policy = get_peft_model(copy.deepcopy(policy).to(torch.bfloat16), LoraConfig(r=a.lora_actor, lora_alpha=32, target_modules="all-linear"),
+                                autocast_adapter_dtype=True)
+    critic = _Values(build_value_model(a.shape, DEV, seed=1, vocab=a.vocab))
+    res["params"] = n_params(policy)
+    if DEV == "cuda":
+        compile_blocks(policy)
+        compile_blocks(critic.rm)
+    opt = torch.optim.AdamW([p for m in (policy, critic) for p in m.parameters() if p.requires_grad], lr=1e-7, fused=DEV == "cuda")
+    exp = ragged_batch(B, P, N, a.vocab)
+    cfg = llama_config(a.shape, vocab=a.vocab)
+    orders = {"rollout_order": torch.arange(B, device=DEV),
+              "bucket_by_length": length_order(exp["attn"].cpu(), N, mb).to(DEV)}
+    for name, order in orders.items():
+        t = {}
+        with timed(t, "first_s"):
+            epoch(policy, critic, opt, exp, order, mb, N)  # warm-up: compilation of this variant's widths, optimizer state
+        reset_peak()
+        ts = []
+        for _ in range(a.reps):
+            with timed(t, "s"):
+                epoch(policy, critic, opt, exp, order, mb, N)
+            ts.append(t["s"])
+        s = statistics.median(ts)
+        w = work(cfg, exp, order, mb, N)
+        peak = H200_BF16_DENSE_TFLOPS * 1e12
+        res["variants"][name] = {**w, "s": s, "s_all": ts, "first_s": t["first_s"], "peak_gib": peak_gib(),
+                                 "useful_mfu": w["useful_flops"] / s / peak, "computed_mfu": w["computed_flops"] / s / peak,
+                                 "real_tokens_per_s": w["real_tokens"] / s}
+        v = res["variants"][name]
+        print(f"{name}: {s * 1e3:.0f} ms/epoch (first {t['first_s']:.1f} s), computed {w['computed_tokens']} of "
+              f"{w['all_tokens']} token slots for {w['real_tokens']} real tokens; useful MFU {100 * v['useful_mfu']:.1f}%, "
+              f"computed MFU {100 * v['computed_mfu']:.1f}%, {v['real_tokens_per_s']:.0f} real tokens/s", flush=True)
+    r, b = res["variants"]["rollout_order"], res["variants"]["bucket_by_length"]
+    print(f"bucket_by_length: {r['s'] / b['s']:.2f}x faster, {b['computed_tokens'] / r['computed_tokens']:.2f} of the tokens computed")
+    if a.out:
+        write_json(a.out, res)
+
+
+if __name__ == "__main__":
+    main()
