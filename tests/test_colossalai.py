@@ -118,3 +118,18 @@ def test_gemini_is_eager_under_compile_auto_and_refuses_compile_on():
     with pytest.raises(ValueError, match=r"ppo.compile 'on' with ppo.strategy 'colossalai_gemini'.*use ppo.compile 'auto'"):
         PPOConfig(compile="on", strategy="colossalai_gemini")
     assert PPOConfig(compile="auto", strategy="colossalai_gemini").compile == "auto"
+
+
+def test_the_offloading_strategies_say_how_many_threads_adam_gets():
+    """ZeRO-2 / Gemini step Adam on the CPU with the learner's CPUs as threads (6.1 s against DDP's
+    0.68 s at 0.3B on the H200 with the default 0.5): the placement log says so with the fix,
+    naming only the learners that run and have fewer than 2."""
+    from tasks.ppo.train import offload_thread_hint
+
+    assert offload_thread_hint(PPOConfig(strategy="ddp")) is None
+    hint = offload_thread_hint(PPOConfig(strategy="colossalai_zero2", critic={"cpus_per_worker": 8}))
+    assert "actor has 0.5" in hint and "critic" not in hint and "--set ppo.actor.cpus_per_worker=4" in hint
+    hint = offload_thread_hint(PPOConfig(strategy="colossalai_gemini", advantage="grpo", n_samples_per_prompt=2))
+    assert "actor has 0.5" in hint and "critic" not in hint  # critic-free: no critic group
+    assert offload_thread_hint(PPOConfig(strategy="colossalai_zero2", actor={"cpus_per_worker": 2},
+                                         critic={"cpus_per_worker": 4})) is None
