@@ -240,6 +240,7 @@ class ArtifactStore:
 
     def _stamp(self, key: str) -> tuple:
         """What changes when a manifest is rewritten: ETag on object stores, mtime on disks, and size."""
+        self._fresh(self._path(key))  # s3fs answers info from a listing of the key's folder made before its publish
         info = self.fs.info(self._path(key, MANIFEST))
         return tuple(str(info.get(k)) for k in ("ETag", "mtime", "LastModified", "created", "size"))
 
