@@ -21,7 +21,7 @@ FLOW_TIMEOUT_DEFAULT=420; source "$(dirname "$0")/gpu_common.sh"   # bundle, /tm
 export PYTHONPATH=/tmp/site:$PWD:/tmp/site-colossalai
 # HybridAdam's kernels are JIT-built at first use (torch.utils.cpp_extension + ninja + nvcc): Hopper only, all cores
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-$(nproc)}
-# ... into ~/.cache/colossalai; the probe sends that folder back (colossalai-kernels.tar.xz, 3.8 MB; 9.4 MB as .tgz, too much
+# ... into ~/.cache/colossalai; the probe sends that folder back (colossalai-kernels.tar.xz, 3.8-5.6 MB; 9.4 MB as .tgz, too much
 # beside the flow's packages) for later calls to carry. The
 # whole folder: with the .so files alone, ninja rebuilt them in the role processes (cpu_adam 37.9 s, seen 2026-12-03)
 KERNELS=.devcarry/colossalai-kernels.tar.xz

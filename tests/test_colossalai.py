@@ -107,14 +107,12 @@ def test_gemini_is_eager_under_compile_auto_and_refuses_compile_on():
     """Gemini's chunk hooks do not trace (an InternalTorchDynamoError in colossalai's
     cuda_accelerator.stream on the H200, a 0.3B model through the flow): 'auto' leaves its
     learners eager, 'on' is refused with the fields named and the fix."""
-    import torch
-
     from tasks.ppo.group import wants_compile
 
-    big = torch.nn.Linear(8000, 8000, bias=False)  # 64M parameters: over 'auto''s threshold
-    assert wants_compile("auto", "cuda", big, "colossalai_zero2")
-    assert not wants_compile("auto", "cuda", big, "colossalai_gemini")
-    assert wants_compile("on", "cpu", big, "ddp")
+    # model None: no size to check, so only the device and the strategy decide
+    assert wants_compile("auto", "cuda", None, "colossalai_zero2")
+    assert not wants_compile("auto", "cuda", None, "colossalai_gemini")
+    assert wants_compile("on", "cpu", None, "ddp")
     with pytest.raises(ValueError, match=r"ppo.compile 'on' with ppo.strategy 'colossalai_gemini'.*use ppo.compile 'auto'"):
         PPOConfig(compile="on", strategy="colossalai_gemini")
     assert PPOConfig(compile="auto", strategy="colossalai_gemini").compile == "auto"
