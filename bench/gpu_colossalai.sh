@@ -9,7 +9,8 @@
 #   bash bench/gpu_colossalai.sh resume_zero2     # kill -9 after the first checkpoint, rerun, compare with `zero2`
 #   bash bench/gpu_colossalai.sh kernels zero2:0.3b gemini:0.3b ddp:0.3b fsdp:0.3b   # the 0.3B local model, four strategies
 # kernels = build HybridAdam's two kernels only (what `probe` leaves behind, in ~1 min) and send them back;
-# STEP:0.3b = STEP on bench/gpu_shapes.py's 0.3b model and data (built once per call, 64 + 64 tokens) instead of the built-in one.
+# STEP:0.3b = STEP on bench/gpu_shapes.py's 0.3b model and data (built once per call, 64 + 64 tokens) instead of the built-in one;
+# STEP@OFFLOAD (zero2 / gemini, also resume_*) adds --set ppo.colossalai_offload=OFFLOAD (seed | optimizer | none), e.g. gemini:0.3b@none.
 # probe = bench/colossalai_probe.py (imports, launch, kernel build, 3 steps, full_state, rollout per plugin);
 # zero2 / gemini / ddp = `rlhf run` on the built-in model with ppo.strategy colossalai_zero2 /
 # colossalai_gemini / ddp, its own store each, summarised by bench/gpu_summary.py (samples/s, memory).
@@ -28,10 +29,13 @@ KERNELS=.devcarry/colossalai-kernels.tar.xz
 if [ -f $KERNELS ]; then tar -C ~ -xJf $KERNELS && echo "kernels: carried"; else KERNELS=; fi
 python3 -c "import torch, transformers, peft; print('torch', torch.__version__, torch.version.cuda, '| transformers', transformers.__version__, '| peft', peft.__version__)"
 python3 -m pip list 2>/dev/null | grep -iE "^(colossalai|bitsandbytes|galore|einops|contexttimer) " ; nvcc --version | tail -2
-strategy_of() { case ${1%%:*} in zero2) echo colossalai_zero2 ;; gemini) echo colossalai_gemini ;; *) echo "${1%%:*}" ;; esac; }
-model_args() {  # the flow's model / data for a step: STEP:0.3b -> bench/gpu_shapes.py's 0.3b shape (made on first use)
+base_of() { local b=${1#resume_}; b=${b%%@*}; echo "${b%%:*}"; }                  # resume_gemini:0.3b@none -> gemini
+model_of() { local m=${1%%@*}; [[ $m == *:* ]] && echo ":${m#*:}"; return 0; }      # -> :0.3b (or nothing)
+strategy_of() { case $(base_of "$1") in zero2) echo colossalai_zero2 ;; gemini) echo colossalai_gemini ;; *) base_of "$1" ;; esac; }
+model_args() {  # the flow's model / data / offload for a step: STEP:0.3b -> bench/gpu_shapes.py's 0.3b shape (made on first use)
+  [[ $1 == *@* ]] && echo "--set ppo.colossalai_offload=${1#*@}"
   case $1 in
-    *:0.3b) [ -f /tmp/s-0.3b/rlhf.yaml ] || python3 bench/gpu_shapes.py --shape 0.3b --out /tmp/s-0.3b --prompt-tokens 64 \
+    *:0.3b|*:0.3b@*) [ -f /tmp/s-0.3b/rlhf.yaml ] || python3 bench/gpu_shapes.py --shape 0.3b --out /tmp/s-0.3b --prompt-tokens 64 \
               --new-tokens 64 > "$OUT/shape_0.3b.log" 2>&1 || tail -5 "$OUT/shape_0.3b.log" >&2
             echo "--config /tmp/s-0.3b/rlhf.yaml" ;;
   esac
@@ -39,12 +43,13 @@ model_args() {  # the flow's model / data for a step: STEP:0.3b -> bench/gpu_sha
 adapter_sha() {  # the final PPO adapter's sha256 from its manifest
   python3 -c "import json, glob; m = [json.load(open(p)) for p in glob.glob('$1/ppo/*/MANIFEST.json')]; m = [x for x in m if x['kind'] == 'ppo_actor']; print(m[0]['files']['adapter/adapter_model.safetensors']['sha256'] if m else 'no ppo_actor')"
 }
-store_of() { echo "/tmp/art-${1//:/_}"; }  # a step's store (no ':' in the path: it goes into a file:// URI)
+store_of() { local s=${1//:/_}; echo "/tmp/art-${s//@/_}"; }  # a step's store (no ':' in the path: it goes into a file:// URI)
 seed_store() {  # a step's new store starts with data, SFT and RM of an earlier step on the same model (the strategy
   # changes only PPO's key), so the runs after the first run only PPO
-  local name=${1#resume_} suffix=; [[ $name == *:* ]] && suffix=:${name#*:}
-  local base; base=$(for s in zero2 gemini ddp fsdp; do store_of "$s$suffix"; done | grep -vx "$(store_of "$1")" | while read -r d; do [ -d "$d/rm" ] && echo "$d"; done | head -1)
-  [ -n "$base" ] && { mkdir -p "$(store_of "$1")"; for d in "$base"/*; do [ "$(basename "$d")" = ppo ] || cp -r "$d" "$(store_of "$1")/"; done; }
+  local base; base=$(ls -d /tmp/art-* 2>/dev/null | while read -r d; do [ "$d" != "$(store_of "$1")" ] && [ -d "$d/rm" ] \
+    && [ "$(cat "$d/.model" 2>/dev/null)" = "$(model_of "$1")" ] && echo "$d"; done | head -1)
+  mkdir -p "$(store_of "$1")"; model_of "$1" > "$(store_of "$1")/.model"
+  [ -n "$base" ] && { for d in "$base"/*; do [ "$(basename "$d")" = ppo ] || cp -r "$d" "$(store_of "$1")/"; done; }
   return 0
 }
 for step in "$@"; do
@@ -56,11 +61,11 @@ for step in "$@"; do
     kernels) timeout 240 python3 -c "from colossalai.kernel.kernel_loader import CPUAdamLoader, FusedOptimizerLoader as F; CPUAdamLoader().load(); F().load()" \
                > "$OUT/kernels.log" 2>&1; echo "rc=$?"; tail -3 "$OUT/kernels.log"
              [ -n "$KERNELS" ] || [ ! -d ~/.cache/colossalai ] || tar -C ~ -cJf "$DEST/colossalai-kernels.tar.xz" .cache/colossalai ;;
-    zero2|gemini|ddp|fsdp|zero2:0.3b|gemini:0.3b|ddp:0.3b|fsdp:0.3b) store=$(store_of "$step"); rm -rf "$store"; seed_store "$step"
+    zero2*|gemini*|ddp*|fsdp*) store=$(store_of "$step"); rm -rf "$store"; seed_store "$step"
            # shellcheck disable=SC2046
            flow "$step" $(model_args "$step") --set store.uri="file://$store" --set ppo.strategy="$(strategy_of "$step")" ${EXTRA:-}
            python3 bench/gpu_summary.py "$store" "$OUT/gpu_$step.csv" > "$OUT/summary_$step.json"; cat "$OUT/summary_$step.json" ;;
-    resume_zero2|resume_gemini|resume_zero2:0.3b|resume_gemini:0.3b) s=${step#resume_}; store=$(store_of "$step"); rm -rf "$store"
+    resume_zero2*|resume_gemini*) s=${step#resume_}; store=$(store_of "$step"); rm -rf "$store"
            # shellcheck disable=SC2207
            seed_store "$step"; args=($(model_args "$step") --set store.uri="file://$store" --set ppo.strategy="$(strategy_of "$s")")
            setsid python3 -m flows.cli run "${args[@]}" ${EXTRA:-} > "$OUT/run_${step}_killed.log" 2>&1 & pid=$!
@@ -70,7 +75,7 @@ for step in "$@"; do
            flow "$step" "${args[@]}" ${EXTRA:-}; grep -iE "resum" "$OUT/run_$step.log" | head -3
            echo "adapter sha resumed:       $(adapter_sha "$store")"
            echo "adapter sha uninterrupted: $(adapter_sha "$(store_of "$s")") (step $s in the same call, if it ran)" ;;
-    *) echo "unknown step $step (probe kernels zero2 gemini ddp fsdp resume_zero2 resume_gemini, each but probe / kernels also as STEP:0.3b)" ;;
+    *) echo "unknown step $step (probe kernels zero2 gemini ddp fsdp resume_zero2 resume_gemini, each but probe / kernels also as STEP:0.3b, STEP@OFFLOAD)" ;;
   esac
   bundle
 done

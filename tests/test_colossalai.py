@@ -131,3 +131,18 @@ def test_the_offloading_strategies_say_how_many_threads_adam_gets():
     assert "actor has 0.5" in hint and "critic" not in hint  # critic-free: no critic group
     assert offload_thread_hint(PPOConfig(strategy="colossalai_zero2", actor={"cpus_per_worker": 2},
                                          critic={"cpus_per_worker": 4})) is None
+
+
+def test_colossalai_offload_picks_what_stays_on_the_cpu_and_only_for_colossalai():
+    """ppo.colossalai_offload: 'seed' as the seed has it, 'none' keeps Adam on the GPU (so no
+    thread hint), and the field is refused beside a strategy it does not shape."""
+    from tasks.ppo.train import offload_thread_hint
+
+    assert PPOConfig().colossalai_offload == "seed"
+    assert offload_thread_hint(PPOConfig(strategy="colossalai_gemini", colossalai_offload="none")) is None
+    hint = offload_thread_hint(PPOConfig(strategy="colossalai_gemini", colossalai_offload="optimizer"))
+    assert "--set ppo.colossalai_offload=none" in hint
+    with pytest.raises(ValueError, match=r"ppo.colossalai_offload 'none' applies to ppo.strategy 'colossalai_zero2'.*not 'fsdp'"):
+        PPOConfig(strategy="fsdp", colossalai_offload="none")
+    with pytest.raises(ValueError, match=r"colossalai_offload"):
+        PPOConfig(strategy="colossalai_zero2", colossalai_offload="params")

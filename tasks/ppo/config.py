@@ -68,6 +68,7 @@ class PPOConfig(BaseModel):
 
     # -- roles and placement
     strategy: Literal["ddp", "fsdp", "colossalai_zero2", "colossalai_gemini"] = Field("ddp", description="How the learner groups (actor, critic) shard: DDP, torch FSDP2, or ColossalAI ZeRO-2 / Gemini (CUDA, ColossalAI installed). Frozen roles keep a full copy per worker.")
+    colossalai_offload: Literal["seed", "optimizer", "none"] = Field("seed", description="What ColossalAI's strategies keep on the CPU: 'seed' = as the seed (Gemini: parameters and optimizer state; ZeRO-2: optimizer state), 'optimizer' = the optimizer state only (Adam steps on the CPU, with the learner's CPUs as threads), 'none' = everything on the GPU (fused CUDA Adam: the fastest where the GPU has room).")
     actor: RoleConfig = Field(default_factory=RoleConfig, description="Policy: generates and learns.")
     critic: RoleConfig = Field(default_factory=RoleConfig, description="Value model: learns.")
     initial: RoleConfig = Field(default_factory=RoleConfig, description="Frozen reference policy for the KL penalty.")
@@ -170,6 +171,9 @@ class PPOConfig(BaseModel):
                 "ppo.compile 'on' with ppo.strategy 'colossalai_gemini': Gemini gathers each parameter chunk from hooks inside "
                 "the forward, which torch.compile cannot trace (InternalTorchDynamoError in colossalai's "
                 "cuda_accelerator.stream, seen on an H200 with torch 2.11): use ppo.compile 'auto' (eager under Gemini) or 'off'")
+        if self.colossalai_offload != "seed" and not self.strategy.startswith("colossalai"):
+            raise ValueError(f"ppo.colossalai_offload {self.colossalai_offload!r} applies to ppo.strategy 'colossalai_zero2' / "
+                             f"'colossalai_gemini', not {self.strategy!r}: drop it, or choose a ColossalAI strategy")
         if self.fast_generate == "on" and self.strategy != "ddp":
             raise ValueError(
                 f"ppo.fast_generate 'on' needs every actor rank to hold full parameters, but ppo.strategy "

@@ -295,14 +295,16 @@ def wants_compile(mode: str, device: str, model=None, strategy: str = "ddp") -> 
     return device == "cuda" and (model is None or sum(p.numel() for p in model.parameters()) >= COMPILE_AUTO_MIN_PARAMS)
 
 
-def wrap_learner(model, lr: float, strategy: str, device: str, max_norm: float = 1.0):
+def wrap_learner(model, lr: float, strategy: str, device: str, max_norm: float = 1.0, offload: str = "seed"):
     """(model to train, optimizer, model to run inference on) for one learner rank.
 
     ddp: DistributedDataParallel; inference (generation) runs on the unwrapped module, with no
     collectives. fsdp: FSDP2 ``fully_shard`` per block and at the root; every forward gathers
     parameters, so all ranks must run the same number of forwards (see ``agree_finished``).
-    colossalai_*: Booster with LowLevelZeroPlugin (stage 2, optimizer state offloaded to CPU) or
-    GeminiPlugin (parameters and optimizer state offloaded), HybridAdam, bf16 (seed). The ZeRO
+    colossalai_*: Booster with LowLevelZeroPlugin (stage 2) or GeminiPlugin, HybridAdam, bf16 (seed);
+    ``offload`` (ppo.colossalai_offload) 'seed' offloads the optimizer state (ZeRO-2) or the
+    parameters and the optimizer state (Gemini) to the CPU, 'optimizer' only the optimizer
+    state, 'none' nothing (HybridAdam then steps with its fused CUDA kernel). The ZeRO
     optimizers own the gradients: the step must call ``optimizer.backward(loss)`` and clipping is
     the plugin's ``max_norm`` (torch's ``clip_grad_norm_`` does not see sharded gradients).
     ZeRO-2 keeps every parameter whole on every rank, so inference runs on the unwrapped PEFT
@@ -329,9 +331,10 @@ def wrap_learner(model, lr: float, strategy: str, device: str, max_norm: float =
     from colossalai.booster.plugin import GeminiPlugin, LowLevelZeroPlugin
     from colossalai.nn.optimizer import HybridAdam
 
-    plugin = LowLevelZeroPlugin(stage=2, precision="bf16", max_norm=max_norm, cpu_offload=True) \
+    optim_frac, param_frac = {"seed": (1.0, 1.0), "optimizer": (1.0, 0.0), "none": (0.0, 0.0)}[offload]
+    plugin = LowLevelZeroPlugin(stage=2, precision="bf16", max_norm=max_norm, cpu_offload=optim_frac > 0) \
         if strategy == "colossalai_zero2" else \
-        GeminiPlugin(precision="bf16", max_norm=max_norm, offload_optim_frac=1.0, offload_param_frac=1.0)
+        GeminiPlugin(precision="bf16", max_norm=max_norm, offload_optim_frac=optim_frac, offload_param_frac=param_frac)
     booster = Booster(plugin=plugin)
     optim = HybridAdam([p for p in model.parameters() if p.requires_grad], lr=lr)
     wrapped, optim, *_ = booster.boost(model, optim)

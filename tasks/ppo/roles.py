@@ -187,7 +187,8 @@ class PolicyWorker(_LearnerMixin, DistributedWorker):
         torch.autograd.set_detect_anomaly(ppo.detect_anomaly, check_nan=True)  # process-wide: this learner's backward
         if wants_compile(ppo.compile, self.device, peft, self.strategy):
             compile_blocks(peft)
-        self.model, self.optim, self.infer_model = wrap_learner(peft, ppo.actor_lr, self.strategy, self.device, ppo.max_grad_norm)
+        self.model, self.optim, self.infer_model = wrap_learner(peft, ppo.actor_lr, self.strategy, self.device, ppo.max_grad_norm,
+                                                                      ppo.colossalai_offload)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.all_finished = agree_finished(self.strategy, self.device)
         # sampling draws on the device the logits are on (torch.multinomial needs a generator there)
@@ -416,7 +417,8 @@ class CriticWorker(_LearnerMixin, DistributedWorker):
         torch.autograd.set_detect_anomaly(ppo.detect_anomaly, check_nan=True)  # process-wide: this learner's backward
         if wants_compile(ppo.compile, self.device, rm, self.strategy):
             compile_blocks(rm)
-        self.model, self.optim, self.infer_model = wrap_learner(_Values(rm), ppo.critic_lr, self.strategy, self.device, ppo.max_grad_norm)
+        self.model, self.optim, self.infer_model = wrap_learner(_Values(rm), ppo.critic_lr, self.strategy, self.device, ppo.max_grad_norm,
+                                                                      ppo.colossalai_offload)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.learn_gen = torch.Generator().manual_seed(self.seed * 7919 + 202 + self.rank)
 

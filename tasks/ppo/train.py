@@ -273,15 +273,17 @@ def offload_thread_hint(cfg: PPOConfig) -> str | None:
     """ColossalAI's strategies step Adam on the CPU (the optimizer state is offloaded, as the seed
     has it) with as many threads as the learner's CPUs (Ray's OMP_NUM_THREADS, torch's threads):
     at the default 0.5 CPU that is one, and the 0.3B critic's learn step took 6.1 s against DDP's
-    0.68 s on the H200. None when every learner has 2 CPUs or more, or the strategy keeps Adam on the GPU."""
-    if not cfg.strategy.startswith("colossalai"):
+    0.68 s on the H200. None when every learner has 2 CPUs or more, or Adam runs on the GPU (another
+    strategy, or ppo.colossalai_offload 'none')."""
+    if not cfg.strategy.startswith("colossalai") or cfg.colossalai_offload == "none":
         return None
     few = {r: cfg.role(r).cpus_per_worker for r in LEARNERS if r in cfg.started_roles and cfg.role(r).cpus_per_worker < 2}
     if not few:
         return None
     sets = " ".join(f"--set ppo.{r}.cpus_per_worker=4" for r in few)
     return (f"ppo.strategy {cfg.strategy!r} steps Adam on the CPU, with one thread per CPU of its learner: "
-            f"{', '.join(f'{r} has {c:g}' for r, c in few.items())}; give them threads where the node has cores ({sets})")
+            f"{', '.join(f'{r} has {c:g}' for r, c in few.items())}; give them threads where the node has cores ({sets}), or keep Adam on the GPU where it has room "
+            f"(--set ppo.colossalai_offload=none)")
 
 
 def _kl_controller(cfg: PPOConfig):
