@@ -268,7 +268,9 @@ def test_which_rollout_path_ppo_takes():
     assert not fast_generate_applies("auto", "ddp", "cpu", llama)  # CPU keeps the plain loop
     assert fast_generate_applies("on", "ddp", "cpu", llama)
     assert not fast_generate_applies("off", "ddp", "cuda", llama)
-    assert not fast_generate_applies("auto", "fsdp", "cuda", llama)
+    assert not fast_generate_applies("auto", "fsdp", "cuda", llama)  # sharded DTensors
+    assert fast_generate_applies("auto", "colossalai_zero2", "cuda", llama)  # whole parameters on every rank
+    assert fast_generate_applies("auto", "colossalai_gemini", "cuda", llama)  # through group.plain_copy
     assert not fast_generate_applies("auto", "ddp", "cuda", GPT2Config())
     with pytest.raises(ValueError, match=r"fast_generate 'on' cannot apply: model_type 'gpt2' .*set ppo.fast_generate 'auto' or 'off'"):
         fast_generate_applies("on", "ddp", "cuda", GPT2Config())
@@ -276,6 +278,35 @@ def test_which_rollout_path_ppo_takes():
         fast_generate_applies("on", "ddp", "cuda", MistralConfig(sliding_window=64))
     with pytest.raises(ValueError, match=r"fast_generate 'on' needs every actor rank to hold full parameters.*'fsdp'"):
         PPOConfig(fast_generate="on", strategy="fsdp")
+    assert PPOConfig(fast_generate="on", strategy="colossalai_gemini").fast_generate == "on"
+
+
+def test_plain_copy_decodes_as_the_model_with_the_trainable_weights_loaded():
+    """Gemini's rollouts: a copy sharing the frozen base, its own trainable (LoRA) weights, filled
+    from full_state's dict before each rollout; FastGenerator over it decodes as over the model."""
+    from peft import LoraConfig, get_peft_model
+
+    from tasks.ppo.group import full_state, load_trainable, plain_copy
+
+    peft_model = get_peft_model(tiny("llama", seed=12), LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)).eval()
+    ids, mask = left_padded(seed=13)
+    copy = plain_copy(peft_model, "cpu")
+    orig, mine = dict(peft_model.named_parameters()), dict(copy.named_parameters())
+    assert orig.keys() == mine.keys() and not any(p.requires_grad for p in mine.values())
+    for n, p in orig.items():  # the frozen base shared, not copied; the adapters apart
+        assert (mine[n].data_ptr() == p.data_ptr()) is (not p.requires_grad), n
+    opt = torch.optim.SGD([p for p in peft_model.parameters() if p.requires_grad], lr=5.0)
+    peft_model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+    opt.step()  # the learner moves; the copy sees it only once loaded
+    weights, _ = full_state(peft_model, with_optimizer=False)
+    assert weights and all("lora_" in n for n in weights)
+    load_trainable(copy, weights)
+    assert all(torch.equal(mine[n], orig[n]) for n in orig)
+    want = fast(FastGenerator(peft_model, max_batch=4, max_len=32), ids, mask, eos=-1, greedy=True).sequences
+    got = fast(FastGenerator(copy, max_batch=4, max_len=32), ids, mask, eos=-1, greedy=True).sequences
+    assert torch.equal(got, want)
+    with pytest.raises(AssertionError, match="not in the rollout copy"):
+        load_trainable(copy, {"nope.weight": torch.zeros(1)})
 
 
 def test_peft_update_is_seen_with_bf16_base_and_fp32_adapter():

@@ -120,7 +120,7 @@ class PPOConfig(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling (1.0: off).")
     stop_token_ids: list[int] = Field(default_factory=list, description="Token ids that also end a response, besides the model's own stop ids (always on: the tokenizer's eos, generation_config.eos_token_id, which may be a list, and the chat template's turn-end token such as <|im_end|>). The response's score is read at its first stop token.")
     stop_strings: list[str] = Field(default_factory=list, description="Strings that also end a response; each must be a single token of the tokenizer (e.g. '<|eot_id|>'), checked before any model loads.")
-    fast_generate: Switch = Field("auto", description="Rollouts with tasks/ppo/fast_generate.py (static KV cache; CUDA graphs on CUDA): 'auto' = on for CUDA actors of a Llama-family model with strategy 'ddp', 'on' = also on CPU (eager) and an error where it cannot apply, 'off' = the plain loop of tasks/ppo/generation.py.")
+    fast_generate: Switch = Field("auto", description="Rollouts with tasks/ppo/fast_generate.py (static KV cache; CUDA graphs on CUDA): 'auto' = on for CUDA actors of a Llama-family model with strategy 'ddp' or 'colossalai_zero2' (whole parameters), or 'colossalai_gemini' (through a plain bf16 copy of the actor's trainable weights, re-filled from Gemini's chunks before every rollout; the frozen base is shared), not 'fsdp', 'on' = also on CPU (eager) and an error where it cannot apply, 'off' = the plain loop of tasks/ppo/generation.py.")
 
     gradient_checkpointing: Switch = Field("auto", description=CHECKPOINT_HELP + " For the learners (actor, critic).")
     compile: Switch = Field("auto", description="torch.compile each transformer block of the learners (actor, critic): fuses the norms, RoPE, activations and casts around the matmuls. 'auto' = on for CUDA roles of models of 50M+ parameters (the first iteration pays ~1 min of compilation) except under colossalai_gemini (its chunk hooks do not trace), 'on' = also on CPU, 'off' = eager.")
@@ -174,10 +174,10 @@ class PPOConfig(BaseModel):
         if self.colossalai_offload != "seed" and not self.strategy.startswith("colossalai"):
             raise ValueError(f"ppo.colossalai_offload {self.colossalai_offload!r} applies to ppo.strategy 'colossalai_zero2' / "
                              f"'colossalai_gemini', not {self.strategy!r}: drop it, or choose a ColossalAI strategy")
-        if self.fast_generate == "on" and self.strategy != "ddp":
+        if self.fast_generate == "on" and self.strategy == "fsdp":
             raise ValueError(
-                f"ppo.fast_generate 'on' needs every actor rank to hold full parameters, but ppo.strategy "
-                f"{self.strategy!r} shards them: use ppo.strategy 'ddp', or ppo.fast_generate 'auto' / 'off'"
+                "ppo.fast_generate 'on' needs every actor rank to hold full parameters, but ppo.strategy "
+                "'fsdp' shards them: use ppo.strategy 'ddp' (or a ColossalAI one), or ppo.fast_generate 'auto' / 'off'"
             )
         if any(i < 0 for i in self.stop_token_ids):
             raise ValueError(f"ppo.stop_token_ids {self.stop_token_ids}: token ids are >= 0; drop the negative ones")

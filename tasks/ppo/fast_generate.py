@@ -32,7 +32,7 @@ replaced, the weight set and the graphs are rebuilt.
 
 Supported: Llama-family decoders (Llama, Mistral, Qwen2, Qwen3: RMSNorm, RoPE from the model's
 ``rotary_emb``, gated MLP; q/k/v and MLP biases), optionally under plain LoRA adapters. Not:
-sharded parameters (FSDP / ZeRO-3), sliding windows, DoRA, LoRA on the embeddings.
+sharded parameters (FSDP; Gemini's go through a plain copy, see ``fast_generate_applies``), sliding windows, DoRA, LoRA on the embeddings.
 """
 
 from __future__ import annotations
@@ -58,13 +58,19 @@ def unsupported_reason(config) -> str | None:
     return None
 
 
+# strategies whose actor ranks can hand FastGenerator whole parameters: DDP and ZeRO-2 hold them
+# (ZeRO-2 shards only the optimizer), Gemini through a plain copy refreshed before every rollout
+# (tasks/ppo/group.py ``plain_copy``); FSDP's are sharded DTensors
+FAST_GENERATE_STRATEGIES = ("ddp", "colossalai_zero2", "colossalai_gemini")
+
+
 def fast_generate_applies(mode: str, strategy: str, device: str, config) -> bool:
     """Whether PPO rollouts use FastGenerator (``ppo.fast_generate`` = ``mode``): 'auto' on CUDA for a
-    supported model with unsharded parameters (strategy 'ddp'); 'on' wherever it can, else a ValueError."""
+    supported model under a strategy of ``FAST_GENERATE_STRATEGIES``; 'on' wherever it can, else a ValueError."""
     if mode == "off":
         return False
     reason = unsupported_reason(config)
-    if reason is None and strategy != "ddp":
+    if reason is None and strategy not in FAST_GENERATE_STRATEGIES:
         reason = f"ppo.strategy {strategy!r} shards the parameters (it needs them whole on every actor rank)"
     if reason is not None and mode == "on":
         raise ValueError(f"ppo.fast_generate 'on' cannot apply: {reason}; set ppo.fast_generate 'auto' or 'off'")

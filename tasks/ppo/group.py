@@ -309,7 +309,8 @@ def wrap_learner(model, lr: float, strategy: str, device: str, max_norm: float =
     the plugin's ``max_norm`` (torch's ``clip_grad_norm_`` does not see sharded gradients).
     ZeRO-2 keeps every parameter whole on every rank, so inference runs on the unwrapped PEFT
     model; Gemini keeps parameters in chunks that only its own forward gathers, so inference runs
-    on the wrapped model (every rank the same forwards, like fsdp).
+    on the wrapped model (every rank the same forwards, like fsdp), and rollouts on a
+    ``plain_copy`` of it where FastGenerator applies.
     """
     import torch
 
@@ -340,6 +341,41 @@ def wrap_learner(model, lr: float, strategy: str, device: str, max_norm: float =
     wrapped, optim, *_ = booster.boost(model, optim)
     # unwrap_peft=False: the PeftModel itself (its adapters are switched for the KL reference)
     return wrapped, optim, wrapped.unwrap(unwrap_peft=False) if strategy == "colossalai_zero2" else wrapped
+
+
+def plain_copy(module, device):
+    """A copy of ``module`` for inference only, whose every parameter is a plain frozen tensor:
+    the frozen ones share their storage with ``module``'s, the trainable ones get storage of their
+    own (uninitialised: fill it with ``load_trainable``), buffers are cloned.
+
+    It is how Gemini's actor decodes with FastGenerator: Gemini turns every parameter into a
+    ColoParameter whose ops run through Python hooks (its own forward decodes ~1 s a token at 0.3B
+    on an H200) and keeps the trainable ones in chunks that hold data only inside that forward,
+    while the frozen ones (the LoRA actor's base) stay whole bf16 tensors on the GPU, outside the
+    chunks. So the copy costs the trainable weights only (the LoRA adapters: MBs)."""
+    import copy
+
+    import torch
+
+    memo = {}
+    for p in module.parameters():
+        data = p.data  # .data is a plain tensor (ColossalAI's tensors leave it unwrapped)
+        memo[id(p)] = torch.nn.Parameter(torch.empty(p.shape, dtype=data.dtype, device=device) if p.requires_grad else data,
+                                         requires_grad=False)
+    return copy.deepcopy(module, memo)
+
+
+def load_trainable(copy, weights: dict) -> None:
+    """Write ``weights`` (name -> tensor, as ``full_state`` returns the trainable ones) into the
+    parameters of ``plain_copy``'s copy, cast to each one's dtype."""
+    import torch
+
+    params = dict(copy.named_parameters())
+    unknown = sorted(set(weights) - set(params))
+    assert not unknown, f"weights not in the rollout copy: {unknown[:5]}"
+    with torch.no_grad():
+        for name, w in weights.items():
+            params[name].copy_(w)
 
 
 # ----------------------------------------------------------------------------- ColossalAI's install

@@ -11,10 +11,12 @@ iteration in one call, and the worker scores them in as few forwards as fit
 (``tasks.ppo.padding.score_together``): the actor and the reference ``logit_rows`` rows a forward,
 the critic and the reward model every row in one.
 
-Rollouts: with ``ppo.fast_generate`` (default 'auto': CUDA, Llama-family, DDP) the actor decodes
-with ``FastGenerator`` (static KV cache, the whole decode step as a CUDA graph) over a packed copy
-of its weights with the LoRA adapter merged in, re-filled in place before every rollout, so an
-optimizer step is seen by the next rollout; else the plain loop.
+Rollouts: with ``ppo.fast_generate`` (default 'auto': CUDA, Llama-family, DDP / ZeRO-2 / Gemini)
+the actor decodes with ``FastGenerator`` (static KV cache, the whole decode step as a CUDA graph)
+over a packed copy of its weights with the LoRA adapter merged in, re-filled in place before every
+rollout, so an optimizer step is seen by the next rollout; else the plain loop. Under Gemini it
+reads a ``plain_copy`` of the actor whose trainable weights are loaded from Gemini's gathered
+state before each rollout.
 
 The KL reference with ``ppo.reference`` 'shared' (default): the actor loads the SFT adapter a
 second time, frozen, as adapter ``reference`` on its own base, and ``reference_logprobs`` runs
@@ -46,7 +48,8 @@ from tasks.common.model import checkpoint_blocks
 from tasks.ppo.config import PPOConfig
 from tasks.ppo.experience import NONFINITE_ADVICE, Experience
 from tasks.ppo.fast_generate import fast_generate_applies
-from tasks.ppo.group import DistributedWorker, agree_finished, as_returns, compile_blocks, full_state, load_full_state, prime_cpu_adam, wants_compile, wrap_learner
+from tasks.ppo.group import (DistributedWorker, agree_finished, as_returns, compile_blocks, full_state, load_full_state, load_trainable,
+                             plain_copy, prime_cpu_adam, wants_compile, wrap_learner)
 from tasks.ppo.padding import attended_span, cut, logit_rows, pad_actions, score_together
 
 
@@ -196,6 +199,9 @@ class PolicyWorker(_LearnerMixin, DistributedWorker):
         self.learn_gen = torch.Generator().manual_seed(self.seed * 7919 + 101 + self.rank)
         self.ptx = read_jsonl(store.fetch(data) / "ptx_train.jsonl") if ppo.ptx_coef > 0 else []
         self.fast = fast_generate_applies(ppo.fast_generate, self.strategy, self.device, base.config)
+        # what rollouts decode with: Gemini's own forward cannot feed FastGenerator (group.plain_copy)
+        self.rollout_model = plain_copy(self.infer_model.module, self.device) \
+            if self.fast and self.strategy == "colossalai_gemini" else self.infer_model
         self.rows = logit_rows(ppo.train_batch_size, ppo.max_new_tokens, base.config.vocab_size)
         self.fast_gen = None  # built at the first rollout, sized to it
 
@@ -216,6 +222,8 @@ class PolicyWorker(_LearnerMixin, DistributedWorker):
                   temperature=self.ppo.temperature, top_k=self.ppo.top_k, top_p=self.ppo.top_p,
                   generator=gen, greedy=greedy, all_finished=self.all_finished)
         if self.fast:
+            if self.rollout_model is not self.infer_model:  # the trainable weights as Gemini's forward has them
+                load_trainable(self.rollout_model, full_state(self.model, self.optim, self.strategy, with_optimizer=False)[0])
             ro = self._fast_generator(*ids.shape).generate(ids, mask, **kw)
         else:
             ro = generate(self.infer_model, ids, mask, **kw)
@@ -232,7 +240,7 @@ class PolicyWorker(_LearnerMixin, DistributedWorker):
             rows = max(batch, per_worker, fg.max_batch if fg else 0)
             cols = max(-(-need // 64) * 64, fg.max_len if fg else 0)  # round up: fewer rebuilds as prompts vary
             self.fast_gen = fg = None  # free the old cache and graphs first
-            self.fast_gen = FastGenerator(self.infer_model, max_batch=rows, max_len=cols)
+            self.fast_gen = FastGenerator(self.rollout_model, max_batch=rows, max_len=cols)
         return self.fast_gen
 
     def rollout_info(self) -> dict:
