@@ -4,6 +4,7 @@
 #   bash bench/gpu_run.sh tests default 1.5b 8b grpo   # each step writes its logs into $OUT/logs.tgz
 #   bash bench/gpu_run.sh rollout match               # issue 18: realistic rollouts; the stage beside the bench
 #   bash bench/gpu_run.sh attn                        # issue 18: cuDNN's SDPA backward on left-pad rows (the stage's NaN), off and on
+#   bash bench/gpu_run.sh decode                      # issue 18: the split-K Triton decode attention (tests natively; 0.4B decode step beside SDPA)
 #   bash bench/gpu_run.sh mfu                         # issue 18: useful-token MFU of the learn phase on ragged rollouts, 0.4B and 1.5B
 #   bash bench/gpu_run.sh nan stage                   # issue 18: which forward turns NaN on the GPU (bench/nan_probe.py); the
 #                                                     # 0.3b stage (fast and plain rollouts), stopping at the first non-finite number
@@ -30,6 +31,9 @@ for step in "$@"; do
           timeout 120 python3 bench/cudnn_attention_nan.py --out "$OUT/cudnn_attention_nan.json" > "$OUT/cudnn_attention_nan.log" 2>&1; tail -13 "$OUT/cudnn_attention_nan.log" ;;
     mfu) for sh in 0.4b 1.5b; do timeout 280 python3 bench/useful_mfu.py --shape "$sh" ${MFU_ARGS:-} --out "$OUT/useful_mfu_$sh.json" > "$OUT/mfu_$sh.log" 2>&1
            tail -3 "$OUT/mfu_$sh.log"; done ;;
+    decode) timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_decode_attention.py > "$OUT/decode_test.log" 2>&1; tail -3 "$OUT/decode_test.log"
+            timeout 300 python3 bench/ppo_iteration.py --shape 0.4b --attention sdpa,triton --skip-rollout-baselines --skip-eager-learn \
+              --out "$OUT/decode_attention_0.4b.json" > "$OUT/decode_attention.log" 2>&1; grep -E "^attention|decode step|Error" "$OUT/decode_attention.log" | head ;;
     rollout) timeout 240 python3 bench/rollout_realistic.py --out "$OUT/rollout_realistic.json" > "$OUT/rollout.log" 2>&1; tail -7 "$OUT/rollout.log" ;;
     match)  # issue 18: the PPO stage and the in-process iteration on one workload (bench/ppo_stage_gpu.py's 0.3b run)
             timeout 240 python3 bench/ppo_iteration.py --batch 64 --prompt-len 11 --new-tokens 64 --vocab 512 --lora-actor 32 \

@@ -7,6 +7,11 @@ FastGenerator (static cache, whole step as a CUDA graph) on bf16 weights, on fp3
 and on a PEFT LoRA actor (bf16 base, fp32 adapter: what the PPO stage's actor holds); same
 sampling (temperature 1, no top-k/p; EOS never hit, so every row makes ``new_tokens`` tokens).
 
+``--attention sdpa,triton``: the decode attention variants (FastGenerator's ``attention``) on the
+same bf16 policy, one FastGenerator each, side by side: graph-replayed decode step (ms) against
+its floors, new tokens/s, and the ratios to the first variant; a variant that cannot be built or
+run (no triton, no CUDA, a compile error) is recorded as an error string, not raised.
+
 Learn: the PPO stage's own functions (``action_logprobs`` with the clipped policy loss on the
 policy, ``RewardModel.values`` with the clipped value loss on the critic), bf16 autocast over
 fp32 master weights, fused AdamW; eager, then with ``compile_blocks`` (the ``ppo.compile`` path),
@@ -116,7 +121,8 @@ def bench_rollout(policy, prompts, attn, a, res):
         refresh = time_reps(fg.refresh_weights, 3)
         res[name] = {"s": statistics.median(ts), "s_all": ts, "new_tokens_per_s": B * N / statistics.median(ts),
                      "setup_compile_capture_s": setup, "refresh_weights_s": statistics.median(refresh),
-                     "weight_copy_gib": fg.weight_copy_bytes() / 2**30, "peak_gib": peak_gib()}
+                     "weight_copy_gib": fg.weight_copy_bytes() / 2**30, "peak_gib": peak_gib(),
+                     "attention": fg.info()["attention"]}
         if name == "fast_bf16" and DEV == "cuda":
             res[name]["decode_step"] = decode_step_numbers(fg, prompts, attn, kw, a)
         del fg
@@ -126,9 +132,50 @@ def bench_rollout(policy, prompts, attn, a, res):
     res["fast_bf16"]["speedup_vs_hf_generate_bf16"] = res["fast_bf16"]["new_tokens_per_s"] / res["hf_generate_bf16"]["new_tokens_per_s"]
 
 
+def bench_attention(policy, prompts, attn, a, res) -> None:
+    """``--attention``: one FastGenerator per decode attention variant on the same bf16 copy of the
+    policy; each variant's numbers, or its error, under ``res[variant]``; ratios to the first
+    variant that ran (>1: the variant is faster)."""
+    bf16 = copy.deepcopy(policy).to(torch.bfloat16)
+    for variant in a.attention:
+        try:
+            res[variant] = time_attention_variant(bf16, variant, prompts, attn, a)
+        except Exception as e:  # a bench of alternatives: record why one is missing, keep the others
+            res[variant] = {"error": f"{type(e).__name__}: {e}"}
+    ran = [v for v in a.attention if "error" not in res[v]]
+    for v in ran:
+        r, base = res[v], res[ran[0]]
+        r[f"tokens_per_s_vs_{ran[0]}"] = r["new_tokens_per_s"] / base["new_tokens_per_s"]
+        if "decode_step" in r and "decode_step" in base:
+            r[f"decode_step_speedup_vs_{ran[0]}"] = base["decode_step"]["graph_replay_ms"] / r["decode_step"]["graph_replay_ms"]
+
+
+def time_attention_variant(model, variant: str, prompts, attn, a) -> dict:
+    """One variant's rollout new tokens/s and (CUDA) graph-replayed decode step; raises what
+    building or running it raises. Its setup time includes compiling the layer only when no
+    earlier FastGenerator of the process compiled the same variant (``_layer``'s cache)."""
+    B, N = prompts.shape[0], a.new_tokens
+    kw = dict(max_new_tokens=N, eos_token_id=-1, pad_token_id=PAD, temperature=1.0, top_k=0, top_p=1.0)
+    t0 = time.perf_counter()
+    fg = FastGenerator(model, max_batch=B, max_len=prompts.shape[1] + N, attention=variant)
+    fg.generate(prompts, attn, **kw)  # compiles and captures the graph
+    sync()
+    setup = time.perf_counter() - t0
+    ts = time_reps(partial(fg.generate, prompts, attn, **kw), a.reps)
+    r = {"s": statistics.median(ts), "s_all": ts, "new_tokens_per_s": B * N / statistics.median(ts),
+         "setup_compile_capture_s": setup, "info": fg.info()}
+    if DEV == "cuda":
+        r["decode_step"] = decode_step_numbers(fg, prompts, attn, kw, a)
+        del fg
+        torch.cuda.empty_cache()
+    return r
+
+
 def decode_step_numbers(fg, prompts, attn, kw, a) -> dict:
-    """One graph replay's time against its floor (weights + the whole KV cache read once at the
-    measured copy bandwidth), and the top kernels of the same step run eagerly (profiler)."""
+    """One graph replay's time against its floors (weights + the whole KV cache read once at the
+    measured copy bandwidth; and with only the visible cache columns read, the average over the
+    timed steps, what an attention that skips masked columns needs), and the top kernels of the
+    same step run eagerly (profiler)."""
     B = prompts.shape[0]
     key = next(iter(fg._graphs))
     g = fg._graphs[key]
@@ -147,7 +194,10 @@ def decode_step_numbers(fg, prompts, attn, kw, a) -> dict:
     weight_bytes = sum(t.numel() * t.element_size() for t in fg._weights if t is not None and t is not fg._w_embed)
     cache_bytes = sum(c[:B].numel() * c.element_size() for c in fg.k_cache + fg.v_cache)
     floor_ms = (weight_bytes + cache_bytes) / (a.copy_gbps * 1e9) * 1e3
-    out = {"graph_replay_ms": ms, "floor_ms_at_measured_copy_bw": floor_ms, "bytes_read": weight_bytes + cache_bytes}
+    visible = (attn.sum() / B + steps / 2 + 0.5).item() / fg.max_len  # full prompts: column P + i in replay i
+    floor_visible_ms = (weight_bytes + cache_bytes * visible) / (a.copy_gbps * 1e9) * 1e3
+    out = {"graph_replay_ms": ms, "floor_ms_at_measured_copy_bw": floor_ms, "bytes_read": weight_bytes + cache_bytes,
+           "floor_ms_visible_columns_only": floor_visible_ms, "visible_cache_fraction": visible}
     if a.profile:
         sample = lambda logits: logits.argmax(-1)  # noqa: E731
         fg._reset(B, attn, PAD)
@@ -188,7 +238,10 @@ def main() -> None:
     ap.add_argument("--lora-actor", type=int, default=0, help="rank of a LoRA actor (bf16 base, fp32 adapter on every linear layer, as the PPO stage's actor); 0: a full fp32-master policy")
     ap.add_argument("--epochs", type=int, default=1, help="PPO epochs over each rollout in the iteration")
     ap.add_argument("--minibatch", type=int, default=None, help="rows per optimizer step in the iteration (default: the whole batch)")
+    ap.add_argument("--attention", default="", help="decode attention variants to time side by side on the bf16 policy, "
+                    "comma-separated FastGenerator attention= values (e.g. sdpa,triton)")
     a = ap.parse_args()
+    a.attention = [v.strip() for v in a.attention.split(",") if v.strip()]
     torch.backends.cuda.matmul.allow_tf32 = True
     B, P, N = a.batch, a.prompt_len, a.new_tokens
     a.copy_gbps = copy_gbps() if DEV == "cuda" else float("nan")
@@ -254,6 +307,10 @@ def main() -> None:
                         "samples_per_s": B / med["total"],
                         "split_pct": {k: 100 * v / med["total"] for k, v in med.items() if k != "total"},
                         "rollout_new_tokens_per_s": B * N / med["rollout"], "peak_gib": peak_gib()}
+    if a.attention:  # last: a variant that fails inside graph capture may leave CUDA unusable
+        if a.out:
+            write_json(a.out, res)
+        bench_attention(policy, prompts, attn, a, res.setdefault("attention", {}))
     report(res)
     if a.out:
         write_json(a.out, res)
@@ -281,6 +338,15 @@ def report(res) -> None:
                   f"{res['matmul_bf16_tflops_measured']:.0f}), peak {L['peak_gib']:.1f} GiB")
             for row in L.get("top_kernels", []):
                 print("   ", row)
+    for v, r in res.get("attention", {}).items():
+        if "error" in r:
+            print(f"attention {v}: error {r['error']}")
+            continue
+        d = r.get("decode_step", {})
+        step = (f", decode step {d['graph_replay_ms']:.3f} ms (floor {d['floor_ms_at_measured_copy_bw']:.3f}, visible columns "
+                f"{d['floor_ms_visible_columns_only']:.3f})" if d else "")
+        ratios = ", ".join(f"{k} {x:.2f}" for k, x in r.items() if "_vs_" in k)
+        print(f"attention {v}: {r['new_tokens_per_s']:.0f} tok/s{step}; {ratios}")
     it = res["iteration"]
     print(f"iteration: {it['s']['total']:.3f} s, {it['samples_per_s']:.1f} samples/s, split "
           + ", ".join(f"{k} {v:.0f}%" for k, v in it["split_pct"].items())

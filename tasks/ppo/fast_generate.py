@@ -7,8 +7,10 @@ Here a decode step is three parts, all captured together in one ``torch.cuda.CUD
 
 1. the forward of one token per row: our own per-layer function (``_layer``) over packed
    weights — q/k/v as one matmul, gate/up as one — with K/V written into a preallocated cache
-   and attention over all cache columns under an additive mask; on CUDA ``torch.compile``d,
-   which fuses the norms, RoPE, the cache write and SwiGLU around the matmuls;
+   and attention over all cache columns under an additive mask (SDPA; ``attention='triton'``: a
+   split-K Triton kernel that never reads the masked columns, ``tasks/ppo/decode_attention.py``,
+   not yet measured on a GPU); on CUDA ``torch.compile``d, which fuses the norms, RoPE, the
+   cache write and SwiGLU around the matmuls;
 2. sampling with ``generation.sample_next`` (temperature, top-k, top-p, the exponential race
    that ``torch.multinomial`` uses) on a generator registered with the graph, so a seeded rollout
    draws the same numbers as the plain loop;
@@ -37,6 +39,7 @@ sharded parameters (FSDP; Gemini's go through a plain copy, see ``fast_generate_
 
 from __future__ import annotations
 
+import os
 from typing import Callable, NamedTuple, Sequence
 
 import torch
@@ -88,6 +91,29 @@ def check_fast_generate(mode: str, strategy: str, model_cfg) -> None:
     fast_generate_applies(mode, strategy, "cpu", config)
 
 
+DECODE_ATTENTION = ("sdpa", "triton")
+
+
+def pick_decode_attention(choice: str, device: torch.device) -> str:
+    """FastGenerator's ``attention``, checked: 'sdpa' (the default until the Triton kernel is
+    measured on a GPU: bench/ppo_iteration.py --attention sdpa,triton) or 'triton'. 'triton' off
+    CUDA runs only in Triton's interpreter (TRITON_INTERPRET=1: the CPU tests), so it is refused
+    there without it."""
+    if choice not in DECODE_ATTENTION:
+        raise ValueError(f"FastGenerator: attention {choice!r} is not one of {DECODE_ATTENTION}")
+    if choice == "sdpa":
+        return "sdpa"
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"FastGenerator: attention 'triton' needs a CUDA device (this one is {device}) or Triton's "
+                         "interpreter (TRITON_INTERPRET=1); use attention 'sdpa'")
+    try:
+        import tasks.ppo.decode_attention  # noqa: F401  registers torch.ops.rlhf.decode_attention
+    except ImportError as e:
+        raise ValueError(f"FastGenerator: attention 'triton' needs the triton package ({e}); "
+                         "install it or use attention 'sdpa'") from e
+    return "triton"
+
+
 # ----------------------------------------------------------------------------- the model, by hand
 
 class Dims(NamedTuple):
@@ -96,6 +122,7 @@ class Dims(NamedTuple):
     head_dim: int
     scale: float
     eps: float
+    attention: str = "sdpa"  # the decode attention: 'sdpa' or 'triton' (a constant of the compiled layer)
 
 
 def _rms(x: Tensor, w: Tensor, eps: float) -> Tensor:
@@ -112,11 +139,15 @@ def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 def _decode_attention(q: Tensor, kc: Tensor, vc: Tensor, bias: Tensor, d: Dims) -> Tensor:
     """One query per row against the whole cache: q (b, n_heads, 1, hd), kc/vc (b, n_kv, L, hd),
     additive bias (b, 1, 1, L) -> (b, n_kv, g, hd), g = n_heads / n_kv: grouped-query attention
-    without repeating K/V, a group's heads being its queries. (On an H200 the library kernel, cuDNN
-    here, beat the same attention as fused Inductor reductions and the memory-efficient kernel:
-    bench/RESULTS.md.)"""
+    without repeating K/V, a group's heads being its queries. ``d.attention`` 'triton': the
+    split-K kernel of tasks/ppo/decode_attention.py (registered as ``torch.ops.rlhf``), which reads
+    only the visible columns; 'sdpa': the library kernel (cuDNN on an H200 beat fused Inductor
+    reductions and the memory-efficient kernel, but tiles for long queries: bench/RESULTS.md)."""
     b, g = q.shape[0], d.n_heads // d.n_kv
-    return F.scaled_dot_product_attention(q.reshape(b, d.n_kv, g, d.head_dim), kc, vc, attn_mask=bias, scale=d.scale)
+    q = q.reshape(b, d.n_kv, g, d.head_dim)
+    if d.attention == "triton":
+        return torch.ops.rlhf.decode_attention(q, kc, vc, bias, d.scale)
+    return F.scaled_dot_product_attention(q, kc, vc, attn_mask=bias, scale=d.scale)
 
 
 def _layer(x: Tensor, kc: Tensor, vc: Tensor, cols: Tensor, mask: Tensor, cos: Tensor, sin: Tensor,
@@ -222,11 +253,14 @@ class FastGenerator:
     ``compile``: ``torch.compile`` the per-layer decode function (default: on CUDA). A decode
     step is ~15 small kernels a layer; their fixed cost, not reading the weights, is the GPU time,
     so fusing the norms, RoPE, the cache write and SwiGLU is what makes the graph fast.
+    ``attention``: the decode step's attention, 'sdpa' or 'triton' (the split-K kernel of
+    tasks/ppo/decode_attention.py; see ``pick_decode_attention``). The prompt's prefill is SDPA
+    either way.
     """
 
     def __init__(self, model, max_batch: int, max_len: int, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None, use_cuda_graph: bool = True, check_every: int = 16,
-                 compile: bool | None = None):
+                 compile: bool | None = None, attention: str = "sdpa"):
         self.model = model
         self.lm, self.embed, self.layers, self.norm, self.head, rotary = _decoder_parts(model)
         p0 = next(self.lm.parameters())
@@ -241,7 +275,7 @@ class FastGenerator:
         head_dim = getattr(attn0, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         n_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.dims = Dims(cfg.num_attention_heads, n_kv, head_dim, float(getattr(attn0, "scaling", head_dim ** -0.5)),
-                         float(self.norm.variance_epsilon))
+                         float(self.norm.variance_epsilon), pick_decode_attention(attention, self.device))
         self.act = self.layers[0].mlp.act_fn
 
         kw = dict(device=self.device, dtype=self.dtype)
@@ -464,6 +498,7 @@ class FastGenerator:
         )
 
     def info(self) -> dict:
-        """What the decode runs with: {'cuda_graphs', 'graph_batch_sizes', 'weight_copy_gib', 'compiled'}."""
+        """What the decode runs with: {'cuda_graphs', 'graph_batch_sizes', 'weight_copy_gib', 'compiled', 'attention'}."""
         return {"cuda_graphs": self.use_cuda_graph, "graph_batch_sizes": sorted({k[0] for k in self._graphs}),
-                "weight_copy_gib": self.weight_copy_bytes() / 2**30, "compiled": self._decode_layer is not _layer}
+                "weight_copy_gib": self.weight_copy_bytes() / 2**30, "compiled": self._decode_layer is not _layer,
+                "attention": self.dims.attention}

@@ -1,0 +1,201 @@
+"""Split-K flash decoding: one query per row against a static KV cache, in Triton.
+
+FastGenerator's decode step reads every cache column of every layer once per token. The library
+attention kernels tile for long queries, so at one query per row they take 26 us a layer on an
+H200 to read what the copy bandwidth reads in 16 (0.4b, batch 64, 256 columns: bench/RESULTS.md
+"Rollout"). Here (flash-decoding, https://pytorch.org/blog/flash-decoding/):
+
+1. ``_partial_kernel``, grid (b * n_kv, num_splits): a program takes one (row, KV head) and one
+   run of cache columns, loads each K/V tile once for all ``g`` query heads of the group (GQA
+   without repeating K/V) and keeps the online-softmax state in fp32: running max ``m``, sum
+   ``l`` and the unnormalised weighted sum of V. With one split it writes the output directly.
+2. ``_combine_kernel``, grid (b * n_kv,): merges the splits' states (log-sum-exp rescaling).
+
+Masked columns (bias at the dtype's minimum) are not loaded: their K/V loads are predicated off,
+so they cost no memory traffic and contribute exactly zero; late in a rollout most of a row is
+visible, early most of the response columns are not.
+
+Scores are a ``tl.dot`` of the group's queries, padded to 16 rows (the tensor cores' smallest
+M), with the K tile: at 1 to 8 heads a group most of those rows are zeros, but the kernel is
+bound by reading K/V, not by the MMA, and one code path serves every ``g`` (a broadcast product
+would hold g x BLOCK_N x head_dim fp32 values in registers: spills at g = 8, head_dim = 128).
+fp32 inputs use IEEE products (no TF32), so an fp32 cache decodes as SDPA does; those run on
+the FMA units, padding included (16/g times the useful products): right for tests and small
+fp32 models, not the bf16 path that rollouts take.
+
+``decode_attention`` is a ``torch.library.triton_op``: ``torch.compile`` sees the two kernels
+(FastGenerator compiles the layer around it) and CUDA-graph capture sees two launches and
+outputs of static shape (no host sync, nothing sized by data). The module imports triton at the
+top: import it only where the kernel is wanted (``fast_generate`` does so for attention='triton').
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+BLOCK_N = 64  # cache columns per tile: 64 x head_dim K and V tiles, 8-16 KB each in bf16
+MIN_ROWS = 16  # tl.dot's smallest M (and N, K): the group's queries are padded to it
+SMS_IF_NOT_CUDA = 132  # an H200's SM count, for the split choice off CUDA (the interpreter's tests)
+PROGRAMS_PER_SM = 4  # enough programs in flight to keep the memory system busy
+# Triton's interpreter (TRITON_INTERPRET=1, the CPU tests) multiplies bfloat16 bit patterns in
+# tl.dot (triton-lang/triton#11584, "not supported yet"): there the dot operands, already rounded
+# to the cache dtype, are widened to fp32 first, which gives the same products
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _partial_kernel(Q, K, V, Bias, Out, Mx, Sm, Acc,
+                    sq_b, sq_h, sq_g, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l, sb_b, sb_l, so_b, so_h, so_g,
+                    n_kv, G, L, cols_per_split, scale: tl.constexpr, masked: tl.constexpr, HD: tl.constexpr,
+                    G_PAD: tl.constexpr, HD_PAD: tl.constexpr, BLOCK: tl.constexpr, ONE_SPLIT: tl.constexpr,
+                    DOT_IN_F32: tl.constexpr):
+    """Softmax state of one (row, KV head) over one split of the cache columns: max ``Mx`` and
+    sum ``Sm`` (b, n_kv, S, G) and unnormalised weighted V ``Acc`` (b, n_kv, S, G, HD), fp32,
+    in base-2 units (exp2 is the hardware's); with ``ONE_SPLIT`` the normalised output instead.
+    ``scale`` and ``masked`` are compile-time constants: as plain float arguments Inductor types
+    them fp64, which turned the fp32 softmax state fp64 inside the loop (a CompilationError in
+    the compiled decode layer on the H200, 2026-12-04)."""
+    pair, split = tl.program_id(0), tl.program_id(1)
+    row, head = pair // n_kv, pair % n_kv
+    offs_g, offs_d, offs_n = tl.arange(0, G_PAD), tl.arange(0, HD_PAD), tl.arange(0, BLOCK)
+    g_ok, d_ok = offs_g < G, offs_d < HD
+    q = tl.load(Q + row * sq_b + head * sq_h + offs_g[:, None] * sq_g + offs_d[None, :],
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    if DOT_IN_F32:
+        q = q.to(tl.float32)
+    k_base = K + row * sk_b + head * sk_h
+    v_base = V + row * sv_b + head * sv_h
+    LOG2E: tl.constexpr = 1.4426950408889634
+
+    m = tl.full([G_PAD], float("-inf"), tl.float32)
+    s = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, HD_PAD], tl.float32)
+    start = split * cols_per_split
+    end = tl.minimum(start + cols_per_split, L)
+    for n0 in range(start, end, BLOCK):
+        cols = n0 + offs_n
+        bias = tl.load(Bias + row * sb_b + cols * sb_l, mask=cols < end, other=masked).to(tl.float32)
+        seen = bias > masked  # predicated K/V loads: a masked column is never read
+        kt = tl.load(k_base + cols[None, :] * sk_l + offs_d[:, None], mask=seen[None, :] & d_ok[:, None], other=0.0)
+        if DOT_IN_F32:
+            kt = kt.to(tl.float32)
+        qk = tl.dot(q, kt, input_precision="ieee")  # (G_PAD, BLOCK), fp32 accumulation
+        x = tl.where(seen[None, :], qk * scale + bias[None, :], float("-inf")) * LOG2E
+        m_new = tl.maximum(m, tl.max(x, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a tile with nothing seen yet: no NaN
+        p = tl.exp2(x - m_ref[:, None])
+        alpha = tl.exp2(m - m_ref)
+        v = tl.load(v_base + cols[:, None] * sv_l + offs_d[None, :], mask=seen[:, None] & d_ok[None, :], other=0.0)
+        pv = p.to(v.dtype)  # probabilities in the cache dtype for the tensor cores, as flash attention
+        if DOT_IN_F32:
+            pv, v = pv.to(tl.float32), v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision="ieee")
+        s = s * alpha + tl.sum(p, 1)
+        m = m_new
+
+    if ONE_SPLIT:
+        out = acc / s[:, None]
+        tl.store(Out + row * so_b + head * so_h + offs_g[:, None] * so_g + offs_d[None, :],
+                 out.to(Out.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+    else:
+        state = (pair * tl.num_programs(1) + split) * G + offs_g
+        tl.store(Mx + state, m, mask=g_ok)
+        tl.store(Sm + state, s, mask=g_ok)
+        tl.store(Acc + state[:, None] * HD + offs_d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _combine_kernel(Mx, Sm, Acc, Out, so_b, so_h, so_g, n_kv, G, num_splits,
+                    HD: tl.constexpr, G_PAD: tl.constexpr, HD_PAD: tl.constexpr):
+    """out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s, M the largest m_s: a split that
+    saw no column (m_s = -inf, l_s = 0, acc_s = 0) weighs nothing."""
+    pair = tl.program_id(0)
+    row, head = pair // n_kv, pair % n_kv
+    offs_g, offs_d = tl.arange(0, G_PAD), tl.arange(0, HD_PAD)
+    g_ok, d_ok = offs_g < G, offs_d < HD
+    first = pair * num_splits * G + offs_g
+    big = tl.full([G_PAD], float("-inf"), tl.float32)
+    for split in range(0, num_splits):
+        big = tl.maximum(big, tl.load(Mx + first + split * G, mask=g_ok, other=float("-inf")))
+    big = tl.where(big == float("-inf"), 0.0, big)  # padded heads only: every real row sees a column
+    s = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, HD_PAD], tl.float32)
+    for split in range(0, num_splits):
+        state = first + split * G
+        w = tl.exp2(tl.load(Mx + state, mask=g_ok, other=float("-inf")) - big)
+        s += w * tl.load(Sm + state, mask=g_ok, other=0.0)
+        acc += w[:, None] * tl.load(Acc + state[:, None] * HD + offs_d[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    out = acc / tl.where(g_ok, s, 1.0)[:, None]
+    tl.store(Out + row * so_b + head * so_h + offs_g[:, None] * so_g + offs_d[None, :],
+             out.to(Out.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+
+
+def choose_splits(pairs: int, L: int, sms: int) -> int:
+    """Column splits per (row, KV head): the power of two that gives ``PROGRAMS_PER_SM`` programs
+    on every SM, short of splits without a whole tile; 1 (no combine kernel) when the rows and
+    heads already fill the GPU (0.4b: 64 rows x 16 heads = 1024 programs for 132 SMs).
+
+    Under ``torch.compile`` with a symbolic batch, ``pairs`` is symbolic: the comparisons become
+    guards and the count a plain int, so the kernels' constants and grid stay concrete; powers of
+    two keep the compiled variants per batch-size range few."""
+    want, splits = _cdiv(PROGRAMS_PER_SM * sms, pairs), 1
+    while splits * BLOCK_N < L and splits < want:  # L first: no guard on the batch where one tile is all
+        splits *= 2
+    return splits
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else SMS_IF_NOT_CUDA
+
+
+@torch.library.triton_op("rlhf::decode_attention", mutates_args=())
+def decode_attention(q: Tensor, kc: Tensor, vc: Tensor, bias: Tensor, scale: float, num_splits: int = 0) -> Tensor:
+    """softmax(q k^T * scale + bias) v for one query per row and head: the contract of
+    ``F.scaled_dot_product_attention(q, kc, vc, attn_mask=bias, scale=scale)`` here.
+
+    q (b, n_kv, g, hd): a KV head's ``g`` query heads. kc, vc (b, n_kv, L, hd): the cache, any
+    strides with the last dimension contiguous (a ``[:b]`` slice of a larger buffer is read in
+    place). bias (b, 1, 1, L): 0 where a row may attend, the dtype's minimum elsewhere (those
+    columns are skipped); every row must see at least one column. -> (b, n_kv, g, hd), q's dtype.
+    ``num_splits``: column splits per (row, KV head); 0 chooses from the shape (``choose_splits``).
+    """
+    b, n_kv, g, hd = q.shape
+    L = kc.shape[2]
+    assert kc.shape == vc.shape == (b, n_kv, L, hd) and bias.shape == (b, 1, 1, L), (q.shape, kc.shape, vc.shape, bias.shape)
+    assert q.dtype == kc.dtype == vc.dtype, (q.dtype, kc.dtype, vc.dtype)
+    assert kc.stride(-1) == 1 and vc.stride(-1) == 1, "the cache's head dimension must be contiguous"
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    splits = num_splits or choose_splits(b * n_kv, L, _sms(q.device))
+    cols_per_split = _cdiv(_cdiv(L, splits), BLOCK_N) * BLOCK_N  # whole tiles
+    splits = _cdiv(L, cols_per_split)  # no split left without a column
+    out = torch.empty((b, n_kv, g, hd), dtype=q.dtype, device=q.device)
+    g_pad, hd_pad = max(MIN_ROWS, triton.next_power_of_2(g)), max(MIN_ROWS, triton.next_power_of_2(hd))
+    masked = torch.finfo(bias.dtype).min
+    # the splits' states (allocated, not written, with one split: no tensor passed twice, which
+    # torch.compile's functionalisation of the kernel's outputs would have to untangle)
+    mx = torch.empty((b, n_kv, splits, g), dtype=torch.float32, device=q.device)
+    sm = torch.empty((b, n_kv, splits, g), dtype=torch.float32, device=q.device)
+    acc = torch.empty((b, n_kv, splits, g, hd), dtype=torch.float32, device=q.device)
+    torch.library.wrap_triton(_partial_kernel)[(b * n_kv, splits)](
+        q, kc, vc, bias, out, mx, sm, acc,
+        q.stride(0), q.stride(1), q.stride(2), kc.stride(0), kc.stride(1), kc.stride(2),
+        vc.stride(0), vc.stride(1), vc.stride(2), bias.stride(0), bias.stride(3),
+        out.stride(0), out.stride(1), out.stride(2),
+        n_kv, g, L, cols_per_split, scale, masked, HD=hd,
+        G_PAD=g_pad, HD_PAD=hd_pad, BLOCK=BLOCK_N, ONE_SPLIT=splits == 1, DOT_IN_F32=INTERPRETED,
+        num_warps=4, num_stages=2)
+    if splits > 1:
+        torch.library.wrap_triton(_combine_kernel)[(b * n_kv,)](
+            mx, sm, acc, out, out.stride(0), out.stride(1), out.stride(2), n_kv, g, splits,
+            HD=hd, G_PAD=g_pad, HD_PAD=hd_pad, num_warps=4)
+    return out

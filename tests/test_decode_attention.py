@@ -1,0 +1,171 @@
+"""tasks/ppo/decode_attention.py (split-K flash decoding in Triton) against SDPA.
+
+With CUDA the checks run natively. Without, they run in Triton's interpreter, which must be on
+(TRITON_INTERPRET=1) before triton makes its JIT functions: each check runs in a fresh Python
+process with that variable set and prints one line, which the test asserts on. The interpreter
+runs the kernels' code program by program on the CPU (torch's ``wrap_triton`` takes its kernels
+from torch 2.12 on, pytorch/pytorch#185597; the CPU build here is 2.13); what it cannot check
+(register and shared memory limits, tl.dot's layouts, torch.compile and CUDA-graph capture) the
+CUDA run does.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ROOT = Path(__file__).resolve().parents[1]
+# (b, n_kv, g, head_dim, L): GQA groups of 1..8 heads, head_dim 64 and 128 (and 80: a padded
+# head dimension), L of one tile, of one column, and not a multiple of the 64-column tile
+CASES = [(3, 2, 1, 64, 300), (4, 2, 2, 64, 130), (2, 3, 4, 64, 64), (3, 1, 8, 64, 37), (2, 2, 1, 128, 200),
+         (3, 2, 4, 128, 77), (2, 2, 8, 128, 1), (2, 1, 2, 80, 90)]
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+def ragged_bias(b: int, L: int, dtype, device, seed: int = 0) -> torch.Tensor:
+    """(b, 1, 1, L): 0 on each row's visible columns, the dtype's minimum elsewhere. As in a
+    rollout, a run of columns (left padding before it, columns not yet decoded after it), with
+    rows that see one, two or three columns only; the last row sees a scattered set."""
+    g = torch.Generator().manual_seed(seed)
+    seen = torch.zeros(b, L, dtype=torch.bool)
+    for r in range(b):
+        width = [1, 2, 3][r] if r < 3 else int(torch.randint(1, L + 1, (1,), generator=g))
+        width = min(width, L)
+        lo = int(torch.randint(0, L - width + 1, (1,), generator=g))
+        seen[r, lo:lo + width] = True
+    if b > 3:
+        seen[-1] = torch.rand(L, generator=g) < 0.3
+        seen[-1, -1] = True
+    return torch.zeros(b, 1, 1, L, dtype=dtype).masked_fill(~seen[:, None, None], torch.finfo(dtype).min).to(device)
+
+
+def inputs(b, n_kv, g, hd, L, dtype, device, seed=0):
+    """q (b, n_kv, g, hd) and the cache as a [:b] slice of a larger buffer (the generator's)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, n_kv, g, hd, generator=gen)
+    kc, vc = (torch.randn(b + 2, n_kv, L, hd, generator=gen) for _ in range(2))
+    return q.to(device, dtype), kc.to(device, dtype)[:b], vc.to(device, dtype)[:b], ragged_bias(b, L, dtype, device, seed)
+
+
+def sdpa(q, kc, vc, bias, scale):
+    """The reference: torch's SDPA on the same numbers in fp32."""
+    return F.scaled_dot_product_attention(q.float(), kc.float(), vc.float(), attn_mask=bias.float(), scale=scale)
+
+
+# -- the checks (run natively on CUDA, in the interpreter on CPU) --------------------------------------
+def check_equals_sdpa(device: str) -> str:
+    """Every case, fp32 and bf16, with the split count chosen from the shape, one split (no
+    combine kernel) and three: the kernel equals SDPA to the dtype's tolerance."""
+    from tasks.ppo.decode_attention import decode_attention
+
+    n = 0
+    for dtype in (torch.float32, torch.bfloat16):
+        for b, n_kv, g, hd, L in CASES:
+            q, kc, vc, bias = inputs(b, n_kv, g, hd, L, dtype, device)
+            want = sdpa(q, kc, vc, bias, hd ** -0.5)
+            for splits in (0, 1, 3):
+                got = decode_attention(q, kc, vc, bias, hd ** -0.5, splits)
+                assert got.dtype == dtype and got.shape == (b, n_kv, g, hd)
+                torch.testing.assert_close(got.float(), want, **TOL[dtype], msg=lambda m: f"{(b, n_kv, g, hd, L, dtype, splits)}: {m}")
+                n += 1
+    return f"{n} cases equal SDPA"
+
+
+def check_masked_columns_contribute_nothing(device: str) -> str:
+    """Masked columns are never read: NaN in their K and V changes no bit of the output; a row
+    that sees one column returns that column's V exactly (its softmax weight is exactly 1)."""
+    from tasks.ppo.decode_attention import decode_attention
+
+    n = 0
+    for dtype in (torch.float32, torch.bfloat16):
+        for b, n_kv, g, hd, L in CASES:
+            q, kc, vc, bias = inputs(b, n_kv, g, hd, L, dtype, device, seed=1)
+            hidden = (bias[:, 0, 0] < 0)[:, None, :, None]
+            for splits in (0, 1, 3):
+                clean = decode_attention(q, kc.masked_fill(hidden, 0.0), vc.masked_fill(hidden, 0.0), bias, 0.1, splits)
+                nan = float("nan")
+                dirty = decode_attention(q, kc.masked_fill(hidden, nan), vc.masked_fill(hidden, nan), bias, 0.1, splits)
+                assert torch.equal(dirty, clean), (b, n_kv, g, hd, L, dtype, splits)
+            col = int((bias[0, 0, 0] == 0).nonzero()[0, 0])  # row 0 sees one column
+            assert torch.equal(clean[0], vc[0, :, col, None].expand(n_kv, g, hd)), (b, n_kv, g, hd, L, dtype)
+            n += 1
+    return f"{n} cases: masked columns contribute nothing"
+
+
+def check_fast_generator_triton_equals_sdpa(device: str) -> str:
+    """FastGenerator with attention='triton' decodes the same greedy tokens as with 'sdpa', on
+    the tiny GQA Llama and Qwen2 (q/k/v biases) of tests/test_fast_generate.py; on CUDA compiled
+    and captured in a CUDA graph, at two batch sizes (the second compiles with a symbolic batch)."""
+    from tasks.ppo.fast_generate import FastGenerator
+    from tests.test_fast_generate import fast, left_padded, tiny
+
+    n = 0
+    for kind in ("llama", "qwen2"):
+        model = tiny(kind).to(device)
+        ids, mask = (t.to(device) for t in left_padded())
+        fg = {a: FastGenerator(model, max_batch=4, max_len=32, attention=a) for a in ("sdpa", "triton")}
+        assert fg["triton"].info()["attention"] == "triton" and fg["sdpa"].info()["attention"] == "sdpa"
+        for rows in (slice(0, 4), slice(1, 3)):
+            got, want = (fast(fg[a], ids[rows], mask[rows], eos=-1, greedy=True) for a in ("triton", "sdpa"))
+            assert torch.equal(got.sequences, want.sequences), (kind, rows, got.sequences, want.sequences)
+            n += 1
+    return f"{n} rollouts equal"
+
+
+def _run(check) -> str:
+    """``check`` natively on CUDA, else in a fresh interpreter-mode process; its result line."""
+    if DEVICE == "cuda":
+        return check(DEVICE)
+    code = f"from tests.test_decode_attention import {check.__name__} as c; print('RESULT', c('cpu'))"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, proc.stdout[-2000:]
+    return lines[-1].removeprefix("RESULT ")
+
+
+def test_kernel_equals_sdpa_on_ragged_rows_gqa_and_head_dims():
+    assert _run(check_equals_sdpa) == f"{2 * 3 * len(CASES)} cases equal SDPA"
+
+
+def test_masked_columns_contribute_nothing():
+    assert _run(check_masked_columns_contribute_nothing) == f"{2 * len(CASES)} cases: masked columns contribute nothing"
+
+
+def test_fast_generator_with_triton_attention_decodes_as_with_sdpa():
+    assert _run(check_fast_generator_triton_equals_sdpa) == "4 rollouts equal"
+
+
+# -- host-side choices (no kernel runs) ---------------------------------------------------------------
+def test_split_count_fills_the_gpu_and_leaves_no_split_without_a_tile():
+    from tasks.ppo.decode_attention import choose_splits
+
+    assert choose_splits(64 * 16, 256, 132) == 1  # 0.4b, batch 64: 1024 programs already, no combine
+    assert choose_splits(64 * 2, 256, 132) == 4  # 2 KV heads: 4 x 128 programs (5 wanted, 4 tiles)
+    assert choose_splits(32 * 16, 256, 132) == 2  # 512 programs, 528 wanted
+    assert choose_splits(4 * 2, 4096, 132) == 64  # a small batch over a long cache: 66 wanted, 64 tiles
+    assert choose_splits(4 * 2, 300, 132) == 8  # 5 tiles (the last one partial): decode_attention runs 5
+    assert choose_splits(1, 1, 132) == 1
+
+
+def test_attention_choice():
+    from tasks.ppo.fast_generate import pick_decode_attention
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert pick_decode_attention("sdpa", cuda) == "sdpa"
+    assert pick_decode_attention("triton", cuda) == "triton"  # triton is in the test extra
+    with pytest.raises(ValueError, match="attention 'auto' is not one of"):  # no default until measured on a GPU
+        pick_decode_attention("auto", cuda)
+    with pytest.raises(ValueError, match="attention 'flash' is not one of"):
+        pick_decode_attention("flash", cpu)
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        with pytest.raises(ValueError, match=r"'triton' needs a CUDA device \(this one is cpu\).*use attention 'sdpa'"):
+            pick_decode_attention("triton", cpu)
