@@ -112,17 +112,9 @@ def bench_rollout(policy, prompts, attn, a, res):
     variants = [("fast_bf16", bf16, None), ("fast_fp32_master_bf16_copy", policy, torch.bfloat16), ("fast_lora_bf16_base", lora, None)]
     for name, model, dtype in variants:
         reset_peak()
-        t0 = time.perf_counter()
-        fg = FastGenerator(model, max_batch=B, max_len=prompts.shape[1] + N, dtype=dtype)
-        fg.generate(prompts, attn, **kw)  # compiles and captures the graph
-        sync()
-        setup = time.perf_counter() - t0
-        ts = time_reps(partial(fg.generate, prompts, attn, **kw), a.reps)
-        refresh = time_reps(fg.refresh_weights, 3)
-        res[name] = {"s": statistics.median(ts), "s_all": ts, "new_tokens_per_s": B * N / statistics.median(ts),
-                     "setup_compile_capture_s": setup, "refresh_weights_s": statistics.median(refresh),
-                     "weight_copy_gib": fg.weight_copy_bytes() / 2**30, "peak_gib": peak_gib(),
-                     "attention": fg.info()["attention"]}
+        fg, res[name] = time_fast(model, prompts, attn, kw, a, dtype=dtype)
+        res[name].update(refresh_weights_s=statistics.median(time_reps(fg.refresh_weights, 3)),
+                         weight_copy_gib=fg.weight_copy_bytes() / 2**30, peak_gib=peak_gib())
         if name == "fast_bf16" and DEV == "cuda":
             res[name]["decode_step"] = decode_step_numbers(fg, prompts, attn, kw, a)
         del fg
@@ -154,21 +146,27 @@ def time_attention_variant(model, variant: str, prompts, attn, a) -> dict:
     """One variant's rollout new tokens/s and (CUDA) graph-replayed decode step; raises what
     building or running it raises. Its setup time includes compiling the layer only when no
     earlier FastGenerator of the process compiled the same variant (``_layer``'s cache)."""
-    B, N = prompts.shape[0], a.new_tokens
-    kw = dict(max_new_tokens=N, eos_token_id=-1, pad_token_id=PAD, temperature=1.0, top_k=0, top_p=1.0)
-    t0 = time.perf_counter()
-    fg = FastGenerator(model, max_batch=B, max_len=prompts.shape[1] + N, attention=variant)
-    fg.generate(prompts, attn, **kw)  # compiles and captures the graph
-    sync()
-    setup = time.perf_counter() - t0
-    ts = time_reps(partial(fg.generate, prompts, attn, **kw), a.reps)
-    r = {"s": statistics.median(ts), "s_all": ts, "new_tokens_per_s": B * N / statistics.median(ts),
-         "setup_compile_capture_s": setup, "info": fg.info()}
+    kw = dict(max_new_tokens=a.new_tokens, eos_token_id=-1, pad_token_id=PAD, temperature=1.0, top_k=0, top_p=1.0)
+    fg, r = time_fast(model, prompts, attn, kw, a, attention=variant)
     if DEV == "cuda":
         r["decode_step"] = decode_step_numbers(fg, prompts, attn, kw, a)
         del fg
         torch.cuda.empty_cache()
     return r
+
+
+def time_fast(model, prompts, attn, kw, a, **fg_kw) -> tuple[FastGenerator, dict]:
+    """A FastGenerator on ``model`` (``fg_kw``: its dtype, attention): the setup (compile and graph
+    capture, in the first generate) and ``a.reps`` timed rollouts of ``prompts`` with ``kw``."""
+    B, N = prompts.shape[0], kw["max_new_tokens"]
+    t0 = time.perf_counter()
+    fg = FastGenerator(model, max_batch=B, max_len=prompts.shape[1] + N, **fg_kw)
+    fg.generate(prompts, attn, **kw)  # compiles and captures the graph
+    sync()
+    setup = time.perf_counter() - t0
+    ts = time_reps(partial(fg.generate, prompts, attn, **kw), a.reps)
+    return fg, {"s": statistics.median(ts), "s_all": ts, "new_tokens_per_s": B * N / statistics.median(ts),
+                "setup_compile_capture_s": setup, "info": fg.info()}
 
 
 def decode_step_numbers(fg, prompts, attn, kw, a) -> dict:
