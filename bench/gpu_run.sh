@@ -18,7 +18,7 @@ for step in "$@"; do
   echo "== $step"
   case $step in
     tests) timeout 300 python3 -m pytest -q -p no:cacheprovider -m "not slow" tests/test_placement.py tests/test_memory.py \
-             tests/test_chat_models.py tests/test_fast_generate.py tests/test_attention_backward.py > "$OUT/tests.log" 2>&1; tail -6 "$OUT/tests.log" ;;
+             tests/test_chat_models.py tests/test_fast_generate.py tests/test_attention_backward.py tests/test_decode_attention.py > "$OUT/tests.log" 2>&1; tail -6 "$OUT/tests.log" ;;
     default) rm -rf /tmp/art-default; flow default --set store.uri=file:///tmp/art-default
              python3 bench/gpu_summary.py /tmp/art-default "$OUT/gpu_default.csv" > "$OUT/summary_default.json"; cat "$OUT/summary_default.json" ;;
     1.5b|8b) [ -f /tmp/s-$step/rlhf.yaml ] || python3 bench/gpu_shapes.py --shape "$step" --out /tmp/s-$step > "$OUT/shape_$step.log" 2>&1
