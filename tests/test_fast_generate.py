@@ -416,3 +416,16 @@ def test_policy_worker_fast_rollouts_equal_plain_ones_before_and_after_learning(
         for group, pg, _ in started:
             group.kill()
             remove_placement_group(pg)
+
+
+def test_one_token_prompts_after_a_longer_rollout_see_only_their_own_column():
+    """Prompts of one column (P = 1) prefill a single token per row, which must attend to that
+    column alone, not to the K/V that an earlier, longer rollout left in the rest of the cache."""
+    model = tiny("llama", seed=3)
+    fg = FastGenerator(model, max_batch=4, max_len=32)
+    ids, mask = left_padded()
+    fast(fg, ids, mask, eos=-1, greedy=True)  # fills the cache's columns with this rollout's K/V
+    one, one_mask = ids[:, -1:], torch.ones((len(ids), 1), dtype=torch.long)
+    got = fast(fg, one, one_mask, eos=-1, greedy=True)
+    want = plain(model, one, one_mask, eos=-1, greedy=True)
+    assert torch.equal(got.sequences, want.sequences)

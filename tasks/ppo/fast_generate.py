@@ -156,8 +156,9 @@ def _layer(x: Tensor, kc: Tensor, vc: Tensor, cols: Tensor, mask: Tensor, cos: T
 
     kc, vc: (b, n_kv, L, head_dim) cache, written at ``cols`` (T,). cos, sin: (b, 1, T, head_dim).
     w: (ln1, wqkv, bqkv, q_norm, k_norm, wo, bo, ln2, wgu, bgu, wd, bd) with q/k/v and gate/up
-    packed. mask, T == 1 (decode): additive (b, 1, 1, L) over every cache column; T > 1 (prefill,
-    ``cols`` = 0..T-1): bool (b, 1, T, T) over the prompt's columns.
+    packed. mask, float (decode, T == 1): additive (b, 1, 1, L) over every cache column; bool
+    (prefill, ``cols`` = 0..T-1): (b, 1, T, T) over the prompt's columns only. The mask's dtype,
+    not T, tells them apart: a one-token prompt's prefill must not see the rest of the cache.
     """
     ln1, wqkv, bqkv, qn, kn, wo, bo, ln2, wgu, bgu, wd, bd = w
     b, T, _ = x.shape
@@ -170,7 +171,7 @@ def _layer(x: Tensor, kc: Tensor, vc: Tensor, cols: Tensor, mask: Tensor, cos: T
     q, k = _rope(q, cos, sin), _rope(k, cos, sin)
     kc.index_copy_(2, cols, k)
     vc.index_copy_(2, cols, v)
-    if T == 1:
+    if mask.dtype != torch.bool:
         o = _decode_attention(q, kc, vc, mask, d).reshape(b, 1, nq)
     else:
         o = F.scaled_dot_product_attention(q, kc[:, :, :T], vc[:, :, :T], attn_mask=mask, scale=d.scale,
