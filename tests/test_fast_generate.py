@@ -307,6 +307,8 @@ def test_plain_copy_decodes_as_the_model_with_the_trainable_weights_loaded():
     assert torch.equal(got, want)
     with pytest.raises(AssertionError, match="not in the rollout copy"):
         load_trainable(copy, {"nope.weight": torch.zeros(1)})
+    with pytest.raises(AssertionError, match="trainable weights of the rollout copy not given"):
+        load_trainable(copy, dict(list(weights.items())[1:]))
 
 
 def test_peft_update_is_seen_with_bf16_base_and_fp32_adapter():

@@ -61,7 +61,7 @@ def _partial_kernel(Q, K, V, Bias, Out, Mx, Sm, Acc,
     them fp64, which turned the fp32 softmax state fp64 inside the loop (a CompilationError in
     the compiled decode layer on the H200, 2026-12-04)."""
     pair, split = tl.program_id(0), tl.program_id(1)
-    row, head = pair // n_kv, pair % n_kv
+    row, head = (pair // n_kv).to(tl.int64), pair % n_kv  # 64-bit offsets: a cache past 2**31 elements
     offs_g, offs_d, offs_n = tl.arange(0, G_PAD), tl.arange(0, HD_PAD), tl.arange(0, BLOCK)
     g_ok, d_ok = offs_g < G, offs_d < HD
     q = tl.load(Q + row * sq_b + head * sq_h + offs_g[:, None] * sq_g + offs_d[None, :],
@@ -115,7 +115,7 @@ def _combine_kernel(Mx, Sm, Acc, Out, so_b, so_h, so_g, n_kv, G, num_splits,
     """out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s, M the largest m_s: a split that
     saw no column (m_s = -inf, l_s = 0, acc_s = 0) weighs nothing."""
     pair = tl.program_id(0)
-    row, head = pair // n_kv, pair % n_kv
+    row, head = (pair // n_kv).to(tl.int64), pair % n_kv  # 64-bit offsets: a cache past 2**31 elements
     offs_g, offs_d = tl.arange(0, G_PAD), tl.arange(0, HD_PAD)
     g_ok, d_ok = offs_g < G, offs_d < HD
     first = pair * num_splits * G + offs_g

@@ -362,7 +362,9 @@ def plain_copy(module, device):
         data = p.data  # .data is a plain tensor (ColossalAI's tensors leave it unwrapped)
         memo[id(p)] = torch.nn.Parameter(torch.empty(p.shape, dtype=data.dtype, device=device) if p.requires_grad else data,
                                          requires_grad=False)
-    return copy.deepcopy(module, memo)
+    out = copy.deepcopy(module, memo)
+    out.rollout_owned = sorted(n for n, p in module.named_parameters() if p.requires_grad)  # what load_trainable must fill
+    return out
 
 
 def load_trainable(copy, weights: dict) -> None:
@@ -373,6 +375,8 @@ def load_trainable(copy, weights: dict) -> None:
     params = dict(copy.named_parameters())
     unknown = sorted(set(weights) - set(params))
     assert not unknown, f"weights not in the rollout copy: {unknown[:5]}"
+    missing = sorted(set(copy.rollout_owned) - set(weights))  # their storage would stay uninitialised
+    assert not missing, f"trainable weights of the rollout copy not given: {missing[:5]}"
     with torch.no_grad():
         for name, w in weights.items():
             params[name].copy_(w)
