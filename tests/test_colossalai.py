@@ -133,6 +133,21 @@ def test_the_offloading_strategies_say_how_many_threads_adam_gets():
                                          critic={"cpus_per_worker": 4})) is None
 
 
+def test_gemini_with_its_parameters_offloaded_says_what_that_costs_whatever_its_threads():
+    """Gemini's 'seed' offload copies every parameter to the GPU at each forward (no 0.3B PPO
+    iteration in 190 s on the H200): the placement log says so, with the fields that keep them there."""
+    from tasks.ppo.train import offload_thread_hint
+
+    threads = {"actor": {"cpus_per_worker": 4}, "critic": {"cpus_per_worker": 4}}
+    hint = offload_thread_hint(PPOConfig(strategy="colossalai_gemini", **threads))
+    assert "keeps Gemini's parameters on the CPU too" in hint and "threads" not in hint
+    assert "--set ppo.colossalai_offload=optimizer" in hint and hint.endswith("(--set ppo.colossalai_offload=none)")
+    hint = offload_thread_hint(PPOConfig(strategy="colossalai_gemini"))
+    assert "actor has 0.5" in hint and "Gemini's parameters" in hint
+    assert offload_thread_hint(PPOConfig(strategy="colossalai_gemini", colossalai_offload="optimizer", **threads)) is None
+    assert "Gemini's parameters" not in offload_thread_hint(PPOConfig(strategy="colossalai_zero2"))
+
+
 def test_colossalai_offload_picks_what_stays_on_the_cpu_and_only_for_colossalai():
     """ppo.colossalai_offload: 'seed' as the seed has it, 'none' keeps Adam on the GPU (so no
     thread hint), and the field is refused beside a strategy it does not shape."""
