@@ -89,9 +89,14 @@ def time_reps(fn, reps: int) -> list[float]:
     return ts
 
 
+def rollout_kw(N: int) -> dict:
+    """The sampling of every timed rollout: temperature 1, no top-k / top-p, EOS never hit."""
+    return dict(max_new_tokens=N, eos_token_id=-1, pad_token_id=PAD, temperature=1.0, top_k=0, top_p=1.0)
+
+
 def bench_rollout(policy, prompts, attn, a, res):
     B, N = prompts.shape[0], a.new_tokens
-    kw = dict(max_new_tokens=N, eos_token_id=-1, pad_token_id=PAD, temperature=1.0, top_k=0, top_p=1.0)
+    kw = rollout_kw(N)
     bf16 = copy.deepcopy(policy).to(torch.bfloat16)
     # HF generate (fp32 master weights + bf16 autocast, as TRL runs it) and on bf16 weights
     for name, model, ac in (("hf_generate_autocast", policy, True), ("hf_generate_bf16", bf16, False)):
@@ -146,7 +151,7 @@ def time_attention_variant(model, variant: str, prompts, attn, a) -> dict:
     """One variant's rollout new tokens/s and (CUDA) graph-replayed decode step; raises what
     building or running it raises. Its setup time includes compiling the layer only when no
     earlier FastGenerator of the process compiled the same variant (``_layer``'s cache)."""
-    kw = dict(max_new_tokens=a.new_tokens, eos_token_id=-1, pad_token_id=PAD, temperature=1.0, top_k=0, top_p=1.0)
+    kw = rollout_kw(a.new_tokens)
     fg, r = time_fast(model, prompts, attn, kw, a, attention=variant)
     if DEV == "cuda":
         r["decode_step"] = decode_step_numbers(fg, prompts, attn, kw, a)

@@ -169,3 +169,18 @@ def test_attention_choice():
     if os.environ.get("TRITON_INTERPRET") != "1":
         with pytest.raises(ValueError, match=r"'triton' needs a CUDA device \(this one is cpu\).*use attention 'sdpa'"):
             pick_decode_attention("triton", cpu)
+
+
+def test_triton_attention_without_the_triton_package_is_refused_with_the_package_named():
+    """Where triton is not installed (no wheel for the platform), FastGenerator(attention='triton')
+    stops at construction with the package and the way out named; 'sdpa' still builds. Run in a
+    process where ``import triton`` fails."""
+    code = ("import sys; sys.modules['triton'] = None\n"
+            "import torch\nfrom tasks.ppo.fast_generate import pick_decode_attention\n"
+            "assert pick_decode_attention('sdpa', torch.device('cpu')) == 'sdpa'\n"
+            "try:\n    pick_decode_attention('triton', torch.device('cuda'))\n"
+            "except ValueError as e:\n    print('RESULT', e)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "RESULT FastGenerator: attention 'triton' needs the triton package" in proc.stdout
+    assert "install it or use attention 'sdpa'" in proc.stdout

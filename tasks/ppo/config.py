@@ -63,6 +63,12 @@ class RewardSource(BaseModel):
         return self
 
 
+# strategies whose actor ranks can hand FastGenerator (tasks/ppo/fast_generate.py) whole parameters:
+# DDP and ZeRO-2 hold them (ZeRO-2 shards only the optimizer), Gemini through a plain copy refreshed
+# before every rollout (tasks/ppo/group.py ``plain_copy``); FSDP's are sharded DTensors
+FAST_GENERATE_STRATEGIES = ("ddp", "colossalai_zero2", "colossalai_gemini")
+
+
 class PPOConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -174,10 +180,10 @@ class PPOConfig(BaseModel):
         if self.colossalai_offload != "seed" and not self.strategy.startswith("colossalai"):
             raise ValueError(f"ppo.colossalai_offload {self.colossalai_offload!r} applies to ppo.strategy 'colossalai_zero2' / "
                              f"'colossalai_gemini', not {self.strategy!r}: drop it, or choose a ColossalAI strategy")
-        if self.fast_generate == "on" and self.strategy == "fsdp":
+        if self.fast_generate == "on" and self.strategy not in FAST_GENERATE_STRATEGIES:
             raise ValueError(
-                "ppo.fast_generate 'on' needs every actor rank to hold full parameters, but ppo.strategy "
-                "'fsdp' shards them: use ppo.strategy 'ddp' (or a ColossalAI one), or ppo.fast_generate 'auto' / 'off'"
+                f"ppo.fast_generate 'on' needs every actor rank to hold full parameters, but ppo.strategy "
+                f"{self.strategy!r} shards them: use ppo.strategy one of {FAST_GENERATE_STRATEGIES}, or ppo.fast_generate 'auto' / 'off'"
             )
         if any(i < 0 for i in self.stop_token_ids):
             raise ValueError(f"ppo.stop_token_ids {self.stop_token_ids}: token ids are >= 0; drop the negative ones")

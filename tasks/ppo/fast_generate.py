@@ -39,13 +39,13 @@ sharded parameters (FSDP; Gemini's go through a plain copy, see ``fast_generate_
 
 from __future__ import annotations
 
-import os
 from typing import Callable, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from tasks.ppo.config import FAST_GENERATE_STRATEGIES
 from tasks.ppo.generation import Rollout, _unwrap, position_ids_from_mask, sample_next, stop_ids
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -59,12 +59,6 @@ def unsupported_reason(config) -> str | None:
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
         return f"sliding-window attention (config.sliding_window={config.sliding_window}) is not supported"
     return None
-
-
-# strategies whose actor ranks can hand FastGenerator whole parameters: DDP and ZeRO-2 hold them
-# (ZeRO-2 shards only the optimizer), Gemini through a plain copy refreshed before every rollout
-# (tasks/ppo/group.py ``plain_copy``); FSDP's are sharded DTensors
-FAST_GENERATE_STRATEGIES = ("ddp", "colossalai_zero2", "colossalai_gemini")
 
 
 def fast_generate_applies(mode: str, strategy: str, device: str, config) -> bool:
@@ -103,14 +97,14 @@ def pick_decode_attention(choice: str, device: torch.device) -> str:
         raise ValueError(f"FastGenerator: attention {choice!r} is not one of {DECODE_ATTENTION}")
     if choice == "sdpa":
         return "sdpa"
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"FastGenerator: attention 'triton' needs a CUDA device (this one is {device}) or Triton's "
-                         "interpreter (TRITON_INTERPRET=1); use attention 'sdpa'")
     try:
-        import tasks.ppo.decode_attention  # noqa: F401  registers torch.ops.rlhf.decode_attention
+        from tasks.ppo import decode_attention  # registers torch.ops.rlhf.decode_attention
     except ImportError as e:
         raise ValueError(f"FastGenerator: attention 'triton' needs the triton package ({e}); "
                          "install it or use attention 'sdpa'") from e
+    if device.type != "cuda" and not decode_attention.INTERPRETED:
+        raise ValueError(f"FastGenerator: attention 'triton' needs a CUDA device (this one is {device}) or Triton's "
+                         "interpreter (TRITON_INTERPRET=1); use attention 'sdpa'")
     return "triton"
 
 
