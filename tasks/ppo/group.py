@@ -349,8 +349,8 @@ def plain_copy(module, device):
     own (uninitialised: fill it with ``load_trainable``), buffers are cloned.
 
     It is how Gemini's actor decodes with FastGenerator: Gemini turns every parameter into a
-    ColoParameter whose ops run through Python hooks (its own forward decodes ~1 s a token at 0.3B
-    on an H200) and keeps the trainable ones in chunks that hold data only inside that forward,
+    ColoParameter whose ops run through Python hooks (at 0.3B on an H200, everything offloaded, its
+    first evaluation, 64 tokens through the plain loop, ended 73 s after the roles were placed) and keeps the trainable ones in chunks that hold data only inside that forward,
     while the frozen ones (the LoRA actor's base) stay whole bf16 tensors on the GPU, outside the
     chunks. So the copy costs the trainable weights only (the LoRA adapters: MBs)."""
     import copy
