@@ -46,6 +46,18 @@ def _tensors(x):
             yield from _tensors(v)
 
 
+def full_llama(device: str):
+    """A full-parameter Llama of 51M parameters, as the critic is trained: past Gemini's smallest
+    chunk (32 Mi elements), so its chunks are sharded, not kept whole as a LoRA adapter's are."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
+                      num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=256)
+    return LlamaForCausalLM(cfg).to(device, torch.bfloat16 if device == "cuda" else torch.float32).eval()
+
+
 def small_lora_llama(device: str):
     import torch
     from peft import LoraConfig, get_peft_model
@@ -62,14 +74,14 @@ def small_lora_llama(device: str):
     return model.eval()
 
 
-def probe_strategy(strategy: str, device: str) -> dict:
+def probe_strategy(strategy: str, device: str, build=small_lora_llama) -> dict:
     import torch
 
     from tasks.ppo.generation import generate
     from tasks.ppo.group import full_state, load_full_state, prime_cpu_adam, wrap_learner
 
     r: dict = {}
-    model = step(r, "build", lambda: small_lora_llama(device))
+    model = step(r, "build", lambda: build(device))
     if model is None:
         return r
     lora0 = {n: p.detach().float().cpu().clone() for n, p in model.named_parameters() if p.requires_grad}
@@ -100,7 +112,12 @@ def probe_strategy(strategy: str, device: str) -> dict:
         r["lora_moved"] = {"ok": bool(moved), "value": f"{len(moved)}/{len(weights)} trainable tensors differ from the start"}
 
         def resume() -> str:
-            """One step from the saved state, then the state loaded back and the same step again: equal (exact resume)."""
+            """One step from the saved state, then the state loaded back and the same step again: equal (exact resume).
+            The saved fp32 weights must hold values bf16 cannot (not the working copy, nor masters rounded on the way out)."""
+            fp32 = [v for v in weights.values() if v.dtype == torch.float32]
+            coarse = [v for v in fp32 if torch.equal(v, v.bfloat16().float())]
+            if not fp32 or len(coarse) == len(fp32):
+                raise AssertionError(f"all {len(fp32)} fp32 weights saved are bf16 values: the masters were rounded")
             one_step()
             after = full_state(wrapped, optim, strategy)
             load_full_state(wrapped, weights, optim, optim_state, strategy)
@@ -127,6 +144,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--strategies", nargs="+", default=["colossalai_zero2", "colossalai_gemini"])
+    ap.add_argument("--full", action="store_true", help="each strategy also on a full-parameter model (the critic's case)")
     a = ap.parse_args()
     import torch
 
@@ -147,8 +165,12 @@ def main() -> None:
     for s in a.strategies:
         print(f"probe: {s}", flush=True)
         res[s] = probe_strategy(s, a.device)
-        print(json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "traceback"} if isinstance(v, dict) else v
-                          for k, v in res[s].items()}), flush=True)
+        if a.full:
+            print(f"probe: {s} full-parameter", flush=True)
+            res[s + "_full"] = probe_strategy(s, a.device, full_llama)
+        for key in [s] + [s + "_full"] * a.full:
+            print(json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "traceback"} if isinstance(v, dict) else v
+                              for k, v in res[key].items()}), flush=True)
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)
 

@@ -6,7 +6,7 @@
 # both in the run's carry (`carry: [".devcarry"]`). Steps, each writing its logs into $OUT/logs.tgz:
 #   bash bench/gpu_colossalai.sh probe zero2      # one device call (kernel builds + one flow run: ~5 min)
 #   bash bench/gpu_colossalai.sh gemini ddp       # a second call: Gemini and the DDP baseline beside it
-#   bash bench/gpu_colossalai.sh resume_zero2     # kill -9 after the first checkpoint, rerun, compare with `zero2`
+#   bash bench/gpu_colossalai.sh resume_zero2     # kill -9 after the first checkpoint, rerun, compare with `zero2` (run earlier in the call, else beside the killed run)
 #   bash bench/gpu_colossalai.sh kernels zero2:0.3b gemini:0.3b ddp:0.3b fsdp:0.3b   # the 0.3B local model, four strategies
 # kernels = build HybridAdam's two kernels only (what `probe` leaves behind, in ~1 min) and send them back;
 # STEP:0.3b = STEP on bench/gpu_shapes.py's 0.3b model and data (built once per call, 64 + 64 tokens) instead of the built-in one;
@@ -52,6 +52,12 @@ seed_store() {  # a step's new store starts with data, SFT and RM of an earlier 
   [ -n "$base" ] && { for d in "$base"/*; do [ "$(basename "$d")" = ppo ] || cp -r "$d" "$(store_of "$1")/"; done; }
   return 0
 }
+run_step() {  # one flow run of a strategy step (zero2 / gemini / ddp / fsdp, :0.3b, @offload) into its own store
+  local store; store=$(store_of "$1"); rm -rf "$store"; seed_store "$1"
+  # shellcheck disable=SC2046
+  flow "$1" $(model_args "$1") --set store.uri="file://$store" --set ppo.strategy="$(strategy_of "$1")" ${EXTRA:-}
+  python3 bench/gpu_summary.py "$store" "$OUT/gpu_$1.csv" > "$OUT/summary_$1.json"; cat "$OUT/summary_$1.json"
+}
 for step in "$@"; do
   echo "== $step $(date +%T)"
   case $step in
@@ -61,25 +67,29 @@ for step in "$@"; do
     kernels) timeout 240 python3 -c "from colossalai.kernel.kernel_loader import CPUAdamLoader, FusedOptimizerLoader as F; CPUAdamLoader().load(); F().load()" \
                > "$OUT/kernels.log" 2>&1; echo "rc=$?"; tail -3 "$OUT/kernels.log"
              [ -n "$KERNELS" ] || [ ! -d ~/.cache/colossalai ] || tar -C ~ -cJf "$DEST/colossalai-kernels.tar.xz" .cache/colossalai ;;
-    zero2*|gemini*|ddp*|fsdp*) store=$(store_of "$step"); rm -rf "$store"; seed_store "$step"
-           # shellcheck disable=SC2046
-           flow "$step" $(model_args "$step") --set store.uri="file://$store" --set ppo.strategy="$(strategy_of "$step")" ${EXTRA:-}
-           python3 bench/gpu_summary.py "$store" "$OUT/gpu_$step.csv" > "$OUT/summary_$step.json"; cat "$OUT/summary_$step.json" ;;
-    resume_zero2*|resume_gemini*) s=${step#resume_}; store=$(store_of "$step"); rm -rf "$store"
+    zero2*|gemini*|ddp*|fsdp*) run_step "$step" ;;
+    resume_zero2*|resume_gemini*) s=${step#resume_}; store=$(store_of "$step"); rm -rf "$store"; ref_pid=
+           # the uninterrupted run to compare with: step $s earlier in this call, else started now and run beside
+           # the killed one from the same data / SFT / RM (its speed is then shared; what is compared is its adapter)
+           if ! compgen -G "$(store_of "$s")/ppo/*/MANIFEST.json" > /dev/null; then
+             run_step "$s" > "$OUT/beside_$s.txt" 2>&1 & ref_pid=$!
+             for _ in $(seq 600); do [ "$(ls "$(store_of "$s")"/{data,sft,rm}/*/MANIFEST.json 2>/dev/null | wc -l)" = 3 ] && break; sleep 1; done
+           fi
            # shellcheck disable=SC2207
            seed_store "$step"; args=($(model_args "$step") --set store.uri="file://$store" --set ppo.strategy="$(strategy_of "$s")")
            setsid python3 -m flows.cli run "${args[@]}" ${EXTRA:-} > "$OUT/run_${step}_killed.log" 2>&1 & pid=$!
            for _ in $(seq 300); do compgen -G "$store/ppo/*-ckpt/iter-*/MANIFEST.json" > /dev/null && break; sleep 1; done
            kill -9 -- -"$pid" 2>/dev/null; wait "$pid" 2>/dev/null
+           echo "killed after checkpoint(s): $(ls -d "$store"/ppo/*-ckpt/iter-* 2>/dev/null | xargs -n1 basename | tr '\n' ' ')"
+           [ -n "$ref_pid" ] && { wait "$ref_pid"; echo "the uninterrupted run beside it:"; cat "$OUT/beside_$s.txt"; }
            # as after a node crash, nothing of the killed run's Ray outlives it: its daemons and role workers may
            # sit outside its process group (a suspect, not a finding: on 2026-12-04 the rerun's first log line
            # came 90 s after the kill; the time from the kill to the rerun's end is printed below)
            t_kill=$(date +%s); timeout 60 python3 -m ray.scripts.scripts stop --force > /dev/null 2>&1
-           echo "killed after checkpoint(s): $(ls -d "$store"/ppo/*-ckpt/iter-* 2>/dev/null | xargs -n1 basename | tr '\n' ' ')"
            flow "$step" "${args[@]}" ${EXTRA:-}; grep -iE "resum" "$OUT/run_$step.log" | head -3
-           echo "kill to the rerun's end: $(( $(date +%s) - t_kill )) s"
+           echo "kill (or the run beside it) to the rerun's end: $(( $(date +%s) - t_kill )) s"
            echo "adapter sha resumed:       $(adapter_sha "$store")"
-           echo "adapter sha uninterrupted: $(adapter_sha "$(store_of "$s")") (step $s in the same call, if it ran)" ;;
+           echo "adapter sha uninterrupted: $(adapter_sha "$(store_of "$s")") (step $s)" ;;
     *) echo "unknown step $step (probe kernels zero2 gemini ddp fsdp resume_zero2 resume_gemini, each but probe / kernels also as STEP:0.3b, STEP@OFFLOAD)" ;;
   esac
   bundle

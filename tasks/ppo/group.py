@@ -13,6 +13,7 @@ ranks generating the same number of steps.
 from __future__ import annotations
 
 import ast
+from contextlib import contextmanager
 import json
 import os
 import subprocess
@@ -555,6 +556,24 @@ def _zero2_trainable(model, optimizer) -> list[tuple[str, object, object, object
             for n, p in model.unwrap(unwrap_peft=False).named_parameters() if p.requires_grad]
 
 
+@contextmanager
+def _gemini_fp32_buffers(model):
+    """Gemini's ``state_dict`` and ``load_state_dict`` gather each chunk that is not kept whole
+    into a buffer of the working dtype (``model.mixed_precision``, bf16), so the fp32 master
+    weights of every large chunk came back, and went in, rounded to bf16 (issue 19, on the H200:
+    the 0.3B full-parameter critic resumed with value loss 2.77 where the uninterrupted run had
+    3.27; small chunks, such as a LoRA adapter's, are kept whole and were exact). With the buffers
+    in fp32 both directions are exact, and loading still syncs the bf16 working copy from them."""
+    import torch
+
+    working = model.mixed_precision
+    model.mixed_precision = torch.float32
+    try:
+        yield
+    finally:
+        model.mixed_precision = working
+
+
 def _colossalai_full_state(model, optimizer, strategy: str, with_optimizer: bool) -> tuple[dict, dict | None]:
     import torch
     import torch.distributed as dist
@@ -569,7 +588,8 @@ def _colossalai_full_state(model, optimizer, strategy: str, with_optimizer: bool
         optim = optimizer.state_dict() if with_optimizer else None  # gathered on every rank
     else:
         trainable = [n for n, p in model.name2param.items() if p is not None and p.requires_grad]
-        state = model.state_dict(only_rank_0=False)
+        with _gemini_fp32_buffers(model):
+            state = model.state_dict(only_rank_0=False)
         weights = {n: state[n].detach().cpu() for n in trainable}
         optim = optimizer.state_dict(only_rank_0=False) if with_optimizer else None
     return weights, optim
@@ -593,7 +613,8 @@ def _colossalai_load_full_state(model, weights: dict, optimizer, optim_state: di
                 flat = F.pad(flat, [0, (world - flat.numel() % world) % world])
                 master.copy_(flat.chunk(world)[rank].to(master.device))
     else:
-        missing = model.load_state_dict(weights, strict=False)
+        with _gemini_fp32_buffers(model):
+            missing = model.load_state_dict(weights, strict=False)
         assert not missing.unexpected_keys, f"checkpoint weights not in the model: {missing.unexpected_keys[:5]}"
     if optim_state is not None:
         optimizer.load_state_dict(optim_state)
