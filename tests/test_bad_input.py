@@ -124,6 +124,10 @@ CASES = [
      ["ppo.rewards.0", "needs `version`", "version='v1'"]),
     ("prompt-metadata-missing", ["--set", "data.prompt_metadata=[answer]"], {},
      ["data.prompt_metadata lists 'answer'", "add it to every prompts record"]),
+    ("decode-attention-without-fast-generate", ["--set", "ppo.decode_attention=triton", "--set", "ppo.fast_generate=off"], {},
+     ["ppo.decode_attention 'triton' is FastGenerator's", "ppo.fast_generate is 'off'", "set ppo.decode_attention 'sdpa'"]),
+    ("decode-attention-triton-on-cpu", ["--set", "ppo.decode_attention=triton", "--set", "ppo.device=cpu"], {},
+     ["ppo.decode_attention 'triton' is a CUDA kernel", "ppo.device 'cpu'", "give the actor a GPU"]),
 ]
 
 DRIVER = r"""
