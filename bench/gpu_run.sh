@@ -5,6 +5,7 @@
 #   bash bench/gpu_run.sh rollout match               # issue 18: realistic rollouts; the stage beside the bench
 #   bash bench/gpu_run.sh attn                        # issue 18: cuDNN's SDPA backward on left-pad rows (the stage's NaN), off and on
 #   bash bench/gpu_run.sh decode                      # issue 18: the split-K Triton decode attention (tests natively; 0.4B decode step beside SDPA)
+#   bash bench/gpu_run.sh default triton              # issue 18: the embedded default flow, then again with ppo.decode_attention=triton
 #   bash bench/gpu_run.sh mfu                         # issue 18: useful-token MFU of the learn phase on ragged rollouts, 0.4B and 1.5B
 #   bash bench/gpu_run.sh nan stage                   # issue 18: which forward turns NaN on the GPU (bench/nan_probe.py); the
 #                                                     # 0.3b stage (fast and plain rollouts), stopping at the first non-finite number
@@ -21,6 +22,10 @@ for step in "$@"; do
              tests/test_chat_models.py tests/test_fast_generate.py tests/test_attention_backward.py tests/test_decode_attention.py > "$OUT/tests.log" 2>&1; tail -6 "$OUT/tests.log" ;;
     default) rm -rf /tmp/art-default; flow default --set store.uri=file:///tmp/art-default
              python3 bench/gpu_summary.py /tmp/art-default "$OUT/gpu_default.csv" > "$OUT/summary_default.json"; cat "$OUT/summary_default.json" ;;
+    triton)  # the embedded default with ppo.decode_attention=triton; its data / SFT / RM from `default` when that ran first
+             rm -rf /tmp/art-triton; mkdir -p /tmp/art-triton; for d in /tmp/art-default/*; do [ "$(basename "$d")" = ppo ] || cp -r "$d" /tmp/art-triton/; done 2>/dev/null
+             flow triton --set store.uri=file:///tmp/art-triton --set ppo.decode_attention=triton ${EXTRA:-}
+             python3 bench/gpu_summary.py /tmp/art-triton "$OUT/gpu_triton.csv" > "$OUT/summary_triton.json"; cat "$OUT/summary_triton.json" ;;
     1.5b|8b) [ -f /tmp/s-$step/rlhf.yaml ] || python3 bench/gpu_shapes.py --shape "$step" --out /tmp/s-$step > "$OUT/shape_$step.log" 2>&1
              flow "$step" --config /tmp/s-$step/rlhf.yaml ${EXTRA:-}
              python3 bench/gpu_summary.py /tmp/s-$step/artifacts "$OUT/gpu_$step.csv" > "$OUT/summary_$step.json"; cat "$OUT/summary_$step.json" ;;
