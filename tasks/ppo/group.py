@@ -13,11 +13,11 @@ ranks generating the same number of steps.
 from __future__ import annotations
 
 import ast
-from contextlib import contextmanager
 import json
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
