@@ -34,8 +34,8 @@ for step in "$@"; do
            grep -E "FloatingPointError|not finite|gradient norm|loss is|anomaly|Error detected in|returned nan" "$OUT/stage.log" | cut -c1-1200 | sort | uniq -c | head; tail -8 "$OUT/stage.log" ;;
     attn) timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_attention_backward.py > "$OUT/attn_test.log" 2>&1; tail -3 "$OUT/attn_test.log"
           timeout 120 python3 bench/cudnn_attention_nan.py --out "$OUT/cudnn_attention_nan.json" > "$OUT/cudnn_attention_nan.log" 2>&1; tail -13 "$OUT/cudnn_attention_nan.log" ;;
-    mfu) for sh in 0.4b 1.5b; do timeout 280 python3 bench/useful_mfu.py --shape "$sh" ${MFU_ARGS:-} --out "$OUT/useful_mfu_$sh.json" > "$OUT/mfu_$sh.log" 2>&1
-           tail -3 "$OUT/mfu_$sh.log"; done ;;
+    mfu) for sh in 0.4b 1.5b; do timeout 280 python3 bench/useful_mfu.py --shape "$sh" ${MFU_ARGS:---profile} --out "$OUT/useful_mfu_$sh.json" > "$OUT/mfu_$sh.log" 2>&1
+           tail -14 "$OUT/mfu_$sh.log"; done ;;
     decode) timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_decode_attention.py > "$OUT/decode_test.log" 2>&1; tail -3 "$OUT/decode_test.log"
             timeout 300 python3 bench/ppo_iteration.py --shape 0.4b --attention sdpa,triton --skip-rollout-baselines --skip-eager-learn \
               --out "$OUT/decode_attention_0.4b.json" > "$OUT/decode_attention.log" 2>&1; grep -E "^attention|decode step|Error" "$OUT/decode_attention.log" | head ;;

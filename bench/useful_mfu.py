@@ -16,20 +16,24 @@ Variants, side by side in one process: minibatches in rollout order (``ppo.bucke
 off) and ordered by ``length_order`` (on). Reported: seconds per epoch, the columns computed
 against the real tokens, **useful-token MFU** (the FLOPs of the real tokens only, over the time,
 against the 989 TFLOP/s datasheet peak) and the MFU of the tokens computed (padding included).
+``--profile`` then splits one bucketed epoch into forward / backward / optimizer step (synchronised
+between them) and lists the ops with the most device time (torch.profiler): where an epoch goes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import statistics
 import sys
+import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import (H200_BF16_DENSE_TFLOPS, VOCAB, build_policy, build_value_model, llama_config,  # noqa: E402
-                          machine, matmul_tflops, n_params, peak_gib, reset_peak, timed, train_flops, workload_args,
+                          machine, matmul_tflops, n_params, peak_gib, reset_peak, sync, timed, train_flops, workload_args,
                           write_json)
 from tasks.ppo.generation import action_logprobs  # noqa: E402
 from tasks.ppo.group import compile_blocks  # noqa: E402
@@ -54,16 +58,48 @@ def ragged_batch(B: int, P: int, N: int, vocab: int, seed: int = 0) -> dict:
     return {k: v.to(DEV) for k, v in exp.items()}
 
 
-def epoch(policy, critic, opt, exp: dict, order: torch.Tensor, mb: int, N: int) -> None:
+def epoch(policy, critic, opt, exp: dict, order: torch.Tensor, mb: int, N: int, phases: dict | None = None) -> None:
+    """One PPO epoch; with ``phases`` (a dict) each minibatch's forward, backward and optimizer step
+    are timed apart (synchronising between them) and added into it."""
+
+    @contextlib.contextmanager
+    def lap(key: str):
+        if phases is None:
+            yield
+            return
+        sync()
+        t = time.perf_counter()
+        yield
+        sync()
+        phases[key] = phases.get(key, 0.0) + time.perf_counter() - t
+
     for rows in order.split(mb):
         e = {k: v[rows] for k, v in exp.items()}
-        with torch.autocast(DEV, dtype=torch.bfloat16, enabled=DEV == "cuda"):
+        with lap("forward_s"), torch.autocast(DEV, dtype=torch.bfloat16, enabled=DEV == "cuda"):
             logp = action_logprobs(policy, e["seqs"], e["attn"], N)
             pl = ppo_clip_loss(logp, e["old_logp"], e["adv"], e["amask"])
             vl = value_loss(critic(e["seqs"], e["attn"], N), e["old_values"], e["returns"], e["amask"])
-        (pl.loss + vl.loss).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        with lap("backward_s"):
+            (pl.loss + vl.loss).backward()
+        with lap("optimizer_s"):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+
+def top_ops(fn, n: int = 15) -> list[dict]:
+    """``fn()`` once under torch.profiler: the ``n`` ops with the most self time on the device
+    (CUDA kernels on a GPU, CPU ops on CPU), with their share of the total."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEV == "cuda" else [])
+    with profile(activities=acts) as prof:
+        fn()
+        sync()
+    attr = "self_device_time_total" if DEV == "cuda" else "self_cpu_time_total"
+    rows = [(e.key, getattr(e, attr), e.count) for e in prof.key_averages()]
+    total = sum(t for _, t, _ in rows) or 1.0
+    return [{"op": k[:120], "ms": round(t / 1e3, 3), "calls": c, "share": round(t / total, 4)}
+            for k, t, c in sorted(rows, key=lambda r: -r[1])[:n]]
 
 
 def work(cfg, exp: dict, order: torch.Tensor, mb: int, N: int) -> dict:
@@ -90,6 +126,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--vocab", type=int, default=VOCAB)
     ap.add_argument("--lora-actor", type=int, default=0, help="rank of a LoRA actor on a bf16 base (the stage's actor); 0: a full fp32-master policy")
+    ap.add_argument("--profile", action="store_true", help="then one bucketed epoch with its phases timed apart, and one under "
+                    "torch.profiler (the ops with the most device time): where the time of an epoch goes")
     a = ap.parse_args()
     B, P, N, mb = a.batch, a.prompt_len, a.new_tokens, a.minibatch
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -133,6 +171,16 @@ def main() -> None:
         print(f"{name}: {s * 1e3:.0f} ms/epoch (first {t['first_s']:.1f} s), computed {w['computed_tokens']} of "
               f"{w['all_tokens']} token slots for {w['real_tokens']} real tokens; useful MFU {100 * v['useful_mfu']:.1f}%, "
               f"computed MFU {100 * v['computed_mfu']:.1f}%, {v['real_tokens_per_s']:.0f} real tokens/s", flush=True)
+    if a.profile:  # the bucketed order, already warm
+        order = orders["bucket_by_length"]
+        phases: dict = {}
+        epoch(policy, critic, opt, exp, order, mb, N, phases)
+        split = {k: round(v, 4) for k, v in phases.items()}
+        res["profile"] = {"phases_s": split,
+                          "top_ops": top_ops(lambda: epoch(policy, critic, opt, exp, order, mb, N))}
+        print(f"phases of one bucketed epoch (synchronised between them): {split}", flush=True)
+        for o in res["profile"]["top_ops"][:10]:
+            print(f"  {o['ms']:9.3f} ms {100 * o['share']:5.1f}% x{o['calls']:<5} {o['op']}", flush=True)
     r, b = res["variants"]["rollout_order"], res["variants"]["bucket_by_length"]
     print(f"bucket_by_length: {r['s'] / b['s']:.2f}x faster, {b['computed_tokens'] / r['computed_tokens']:.2f} of the tokens computed")
     if a.out:
