@@ -420,6 +420,40 @@ def test_policy_worker_fast_rollouts_equal_plain_ones_before_and_after_learning(
             remove_placement_group(pg)
 
 
+def test_policy_worker_decodes_with_ppo_decode_attention(sft_adapter):
+    """``ppo.decode_attention`` reaches the actor's FastGenerator: a PolicyWorker with 'triton'
+    (on CPU in Triton's interpreter, which its Ray worker process turns on through its runtime_env)
+    names it in ``rollout_info`` and decodes the greedy and seeded rollouts of one with 'sdpa'."""
+    import ray
+
+    from tasks.common.model import load_tokenizer
+    from tasks.data.dataset import read_jsonl
+    from tasks.ppo.config import PPOConfig
+    from tasks.ppo.roles import PolicyWorker
+
+    store, data, sft, model = sft_adapter
+    tok = load_tokenizer(model, str(store.fetch(data.key) / "tokenizer"))
+    prompts = [r["prompt_ids"] for r in read_jsonl(store.fetch(data.key) / "prompts_eval.jsonl")][:6]
+    env = {"env_vars": {"TRITON_INTERPRET": "1"}} if DEVICE == "cpu" else {}
+    workers = []
+    try:
+        for attention in ("triton", "sdpa"):
+            w = ray.remote(PolicyWorker).options(num_cpus=1, num_gpus=0.25 if DEVICE == "cuda" else 0, runtime_env=env).remote(
+                "actor", 0, 1, "ddp", 42, 1.0, DEVICE)
+            workers.append(w)
+            ray.get(w.init_group.remote(*ray.get(w.rendezvous.remote())))
+            ppo = PPOConfig(rollout_batch_size=6, train_batch_size=6, max_new_tokens=8, fast_generate="on", decode_attention=attention)
+            ray.get(w.load.remote(model, store, sft.key, data.key, ppo, tok.pad_token_id, [tok.eos_token_id]))
+        for kw in (dict(greedy=True), dict(seed=7)):
+            triton, sdpa = ray.get([w.generate.remote(prompts, 1, **kw) for w in workers])
+            assert torch.equal(triton.sequences, sdpa.sequences) and torch.equal(triton.action_mask, sdpa.action_mask), kw
+        # the generator is built at the first rollout
+        assert [ray.get(w.rollout_info.remote())["attention"] for w in workers] == ["triton", "sdpa"]
+    finally:
+        for w in workers:
+            ray.kill(w)
+
+
 def test_one_token_prompts_after_a_longer_rollout_see_only_their_own_column():
     """Prompts of one column (P = 1) prefill a single token per row, which must attend to that
     column alone, not to the K/V that an earlier, longer rollout left in the rest of the cache."""
