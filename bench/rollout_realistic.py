@@ -44,13 +44,14 @@ def prompts_for(B: int, P: int, mixed: bool, g: torch.Generator) -> tuple[torch.
     return ids, attn
 
 
-def run_case(fg, model, ids, attn, N, stops, top_k, top_p, reps) -> dict:
+def run_case(fgs: dict, model, ids, attn, N, stops, top_k, top_p, reps) -> dict:
+    """Each FastGenerator of ``fgs`` (attention -> generator; results as 'fast_<attention>') and HF generate."""
     kw = dict(max_new_tokens=N, eos_token_id=stops, pad_token_id=PAD, temperature=1.0, top_k=top_k, top_p=top_p)
     out = {}
-    for name in ("fast", "hf_generate"):
+    for name in (*(f"fast_{a}" for a in fgs), "hf_generate"):
         def once(name=name):
-            if name == "fast":
-                r = fg.generate(ids, attn, **kw)
+            if name.startswith("fast_"):
+                r = fgs[name.removeprefix("fast_")].generate(ids, attn, **kw)
                 return r.action_mask, r.sequences.shape[1] - ids.shape[1]
             never = stops == [-1]  # no stop token: HF makes all N tokens (min_new_tokens) as the fast path does
             seqs = model.generate(input_ids=ids, attention_mask=attn, do_sample=True, max_new_tokens=N, top_k=top_k or None,
@@ -75,7 +76,8 @@ def run_case(fg, model, ids, attn, N, stops, top_k, top_p, reps) -> dict:
         out[name] = {"s": s, "s_all": ts, "useful_new_tokens_per_s": statistics.median(useful) / s,
                      "all_columns_tokens_per_s": ids.shape[0] * statistics.median(steps) / s,
                      "mean_response_len": statistics.median(useful) / ids.shape[0], "steps_run": statistics.median(steps)}
-    out["fast_vs_hf_useful_tokens"] = out["fast"]["useful_new_tokens_per_s"] / out["hf_generate"]["useful_new_tokens_per_s"]
+    for a in fgs:
+        out[f"fast_{a}_vs_hf_useful_tokens"] = out[f"fast_{a}"]["useful_new_tokens_per_s"] / out["hf_generate"]["useful_new_tokens_per_s"]
     return out
 
 
@@ -83,25 +85,28 @@ def main() -> None:
     ap = workload_args(__doc__.splitlines()[0])
     ap.add_argument("--stop-ids", type=int, default=400, help="how many token ids stop a row in the eos cases")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--attention", default="sdpa", help="FastGenerator's decode attention(s), comma-separated: sdpa, triton")
     a = ap.parse_args()
     B, P, N = a.batch, a.prompt_len, a.new_tokens
     model = build_policy(a.shape, DEV, torch.bfloat16).eval()
-    fg = FastGenerator(model, max_batch=B, max_len=P + N, dtype=torch.bfloat16)
+    fgs = {att: FastGenerator(model, max_batch=B, max_len=P + N, dtype=torch.bfloat16, attention=att) for att in a.attention.split(",")}
     g = torch.Generator(device=DEV).manual_seed(0)
     stops = torch.randperm(VOCAB - 4, generator=torch.Generator().manual_seed(1))[: a.stop_ids].add(4).tolist()
     cases = {"fixed": (False, [-1], 0, 1.0), "eos": (False, stops, 0, 1.0), "mixed_prompts": (True, [-1], 0, 1.0),
              "top_p_top_k": (False, stops, 50, 0.9), "realistic": (True, stops, 50, 0.9)}
-    res = {"machine": machine(), "shape": a.shape, "batch": B, "prompt_len": P, "new_tokens": N, "stop_ids": a.stop_ids,
-           "cases": {}}
+    res = {"machine": machine(), "command": " ".join(sys.argv), "shape": a.shape, "batch": B, "prompt_len": P, "new_tokens": N,
+           "stop_ids": a.stop_ids, "attention": list(fgs), "cases": {}}
     for name, (mixed, st, k, p) in cases.items():
         ids, attn = prompts_for(B, P, mixed, g)
-        res["cases"][name] = run_case(fg, model, ids, attn, N, st, k, p, a.reps)
-        c = res["cases"][name]
-        print(f"{name:14s} fast {c['fast']['useful_new_tokens_per_s']:9.0f} useful tok/s ({c['fast']['s']:.3f} s, "
-              f"len {c['fast']['mean_response_len']:.1f}, {c['fast']['steps_run']} steps)  hf {c['hf_generate']['useful_new_tokens_per_s']:8.0f}"
-              f"  x{c['fast_vs_hf_useful_tokens']:.1f}", flush=True)
-    fixed = res["cases"]["fixed"]["fast"]["useful_new_tokens_per_s"]
-    res["useful_tokens_per_s_vs_fixed"] = {k: v["fast"]["useful_new_tokens_per_s"] / fixed for k, v in res["cases"].items()}
+        res["cases"][name] = c = run_case(fgs, model, ids, attn, N, st, k, p, a.reps)
+        for att in fgs:
+            f = c[f"fast_{att}"]
+            print(f"{name:14s} fast ({att:6s}) {f['useful_new_tokens_per_s']:9.0f} useful tok/s ({f['s']:.3f} s, len "
+                  f"{f['mean_response_len']:.1f}, {f['steps_run']} steps)  hf {c['hf_generate']['useful_new_tokens_per_s']:8.0f}"
+                  f"  x{c[f'fast_{att}_vs_hf_useful_tokens']:.1f}", flush=True)
+    res["useful_tokens_per_s_vs_fixed"] = {
+        att: {k: v[f"fast_{att}"]["useful_new_tokens_per_s"] / res["cases"]["fixed"][f"fast_{att}"]["useful_new_tokens_per_s"]
+              for k, v in res["cases"].items()} for att in fgs}
     if a.out:
         write_json(a.out, res)
 
