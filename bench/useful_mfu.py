@@ -13,7 +13,8 @@ fp32 master weights (or a LoRA actor on a bf16 base), fused AdamW, compiled bloc
 Every forward skips the columns no row of its minibatch attends (tasks/ppo/padding.py).
 
 Variants, side by side in one process: minibatches in rollout order (``ppo.bucket_by_length``
-off) and ordered by ``length_order`` (on). Reported: seconds per epoch, the columns computed
+off) and ordered by ``length_order`` (on), unpacked, and with the rows' real tokens packed into
+bins of C columns (``ppo.pack_tokens``, tasks/ppo/packing.py): ``--variants``. Reported: seconds per epoch, the columns computed
 against the real tokens, **useful-token MFU** (the FLOPs of the real tokens only, over the time,
 against the 989 TFLOP/s datasheet peak) and the MFU of the tokens computed (padding included).
 ``--profile`` then splits one bucketed epoch into forward / backward / optimizer step (synchronised
@@ -38,6 +39,7 @@ from bench.common import (H200_BF16_DENSE_TFLOPS, VOCAB, build_policy, build_val
 from tasks.ppo.generation import action_logprobs  # noqa: E402
 from tasks.ppo.group import compile_blocks  # noqa: E402
 from tasks.ppo.losses import ppo_clip_loss, value_loss  # noqa: E402
+from tasks.ppo.packing import pack  # noqa: E402
 from tasks.ppo.padding import attended_span, length_order  # noqa: E402
 from tasks.ppo.roles import _Values  # noqa: E402
 
@@ -58,7 +60,7 @@ def ragged_batch(B: int, P: int, N: int, vocab: int, seed: int = 0) -> dict:
     return {k: v.to(DEV) for k, v in exp.items()}
 
 
-def epoch(policy, critic, opt, exp: dict, order: torch.Tensor, mb: int, N: int, phases: dict | None = None) -> None:
+def epoch(policy, critic, opt, exp: dict, order: torch.Tensor, mb: int, N: int, phases: dict | None = None, pack_tokens: int = 0) -> None:
     """One PPO epoch; with ``phases`` (a dict) each minibatch's forward, backward and optimizer step
     are timed apart (synchronising between them) and added into it."""
 
@@ -76,8 +78,9 @@ def epoch(policy, critic, opt, exp: dict, order: torch.Tensor, mb: int, N: int, 
     for rows in order.split(mb):
         e = {k: v[rows] for k, v in exp.items()}
         with lap("forward_s"), torch.autocast(DEV, dtype=torch.bfloat16, enabled=DEV == "cuda"):
-            logp = action_logprobs(policy, e["seqs"], e["attn"], N)
+            logp = action_logprobs(policy, e["seqs"], e["attn"], N, pack_tokens=pack_tokens)
             pl = ppo_clip_loss(logp, e["old_logp"], e["adv"], e["amask"])
+            critic.pack_tokens = pack_tokens
             vl = value_loss(critic(e["seqs"], e["attn"], N), e["old_values"], e["returns"], e["amask"])
         with lap("backward_s"):
             (pl.loss + vl.loss).backward()
@@ -102,8 +105,9 @@ def top_ops(fn, n: int = 15) -> list[dict]:
             for k, t, c in sorted(rows, key=lambda r: -r[1])[:n]]
 
 
-def work(cfg, exp: dict, order: torch.Tensor, mb: int, N: int) -> dict:
-    """Tokens and FLOPs of one epoch: real ones, and those the cut minibatches compute."""
+def work(cfg, exp: dict, order: torch.Tensor, mb: int, N: int, pack_tokens: int = 0) -> dict:
+    """Tokens and FLOPs of one epoch: real ones, and those the cut (or packed) minibatches compute
+    (a packed bin attends over all its C columns: SDPA's masked kernels skip no block)."""
     real_tokens = int(exp["attn"].sum())
     real_len = real_tokens / len(exp["attn"])
     real_actions = int(exp["amask"].sum())
@@ -111,6 +115,12 @@ def work(cfg, exp: dict, order: torch.Tensor, mb: int, N: int) -> dict:
               + train_flops(cfg, real_tokens, real_len, real_tokens, 1))
     computed_tokens, computed = 0, 0.0
     for rows in order.split(mb):
+        if pack_tokens:
+            R, C = pack(exp["seqs"][rows], exp["attn"][rows], pack_tokens).input_ids.shape
+            t, k = R * C, int(exp["amask"][rows].sum())
+            computed_tokens += t
+            computed += train_flops(cfg, t, C, k, cfg.vocab_size) + train_flops(cfg, t, C, t, 1)
+            continue
         s = attended_span(exp["attn"][rows], N)
         t = len(rows) * (s.stop - s.start)
         computed_tokens += t
@@ -126,6 +136,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--vocab", type=int, default=VOCAB)
     ap.add_argument("--lora-actor", type=int, default=0, help="rank of a LoRA actor on a bf16 base (the stage's actor); 0: a full fp32-master policy")
+    ap.add_argument("--variants", default="rollout_order,bucket_by_length,packed256,packed512,packed1024,packed512_bucket",
+                    help="rollout_order / bucket_by_length: unpacked, minibatches in rollout order / by length_order; "
+                    "packedC: rows packed into bins of C columns (ppo.pack_tokens C), rollout order; packedC_bucket: by length_order")
     ap.add_argument("--profile", action="store_true", help="then one bucketed epoch with its phases timed apart, and one under "
                     "torch.profiler (the ops with the most device time): where the time of an epoch goes")
     a = ap.parse_args()
@@ -151,18 +164,25 @@ def main() -> None:
     cfg = llama_config(a.shape, vocab=a.vocab)
     orders = {"rollout_order": torch.arange(B, device=DEV),
               "bucket_by_length": length_order(exp["attn"].cpu(), N, mb).to(DEV)}
-    for name, order in orders.items():
+    variants = {}
+    for v in a.variants.split(","):
+        if v in orders:
+            variants[v] = (orders[v], 0)
+        else:  # packedC or packedC_bucket
+            c, _, by = v.removeprefix("packed").partition("_")
+            variants[v] = (orders["bucket_by_length" if by else "rollout_order"], int(c))
+    for name, (order, pk) in variants.items():
         t = {}
         with timed(t, "first_s"):
-            epoch(policy, critic, opt, exp, order, mb, N)  # warm-up: compilation of this variant's widths, optimizer state
+            epoch(policy, critic, opt, exp, order, mb, N, pack_tokens=pk)  # warm-up: compilation of this variant's widths, optimizer state
         reset_peak()
         ts = []
         for _ in range(a.reps):
             with timed(t, "s"):
-                epoch(policy, critic, opt, exp, order, mb, N)
+                epoch(policy, critic, opt, exp, order, mb, N, pack_tokens=pk)
             ts.append(t["s"])
         s = statistics.median(ts)
-        w = work(cfg, exp, order, mb, N)
+        w = work(cfg, exp, order, mb, N, pk)
         peak = H200_BF16_DENSE_TFLOPS * 1e12
         res["variants"][name] = {**w, "s": s, "s_all": ts, "first_s": t["first_s"], "peak_gib": peak_gib(),
                                  "useful_mfu": w["useful_flops"] / s / peak, "computed_mfu": w["computed_flops"] / s / peak,
@@ -171,18 +191,20 @@ def main() -> None:
         print(f"{name}: {s * 1e3:.0f} ms/epoch (first {t['first_s']:.1f} s), computed {w['computed_tokens']} of "
               f"{w['all_tokens']} token slots for {w['real_tokens']} real tokens; useful MFU {100 * v['useful_mfu']:.1f}%, "
               f"computed MFU {100 * v['computed_mfu']:.1f}%, {v['real_tokens_per_s']:.0f} real tokens/s", flush=True)
-    if a.profile:  # the bucketed order, already warm
-        order = orders["bucket_by_length"]
+    if a.profile:  # the fastest variant, already warm
+        best = min(res["variants"], key=lambda k: res["variants"][k]["s"])
+        order, pk = variants[best]
         phases: dict = {}
-        epoch(policy, critic, opt, exp, order, mb, N, phases)
+        epoch(policy, critic, opt, exp, order, mb, N, phases, pk)
         split = {k: round(v, 4) for k, v in phases.items()}
-        res["profile"] = {"phases_s": split,
-                          "top_ops": top_ops(lambda: epoch(policy, critic, opt, exp, order, mb, N))}
-        print(f"phases of one bucketed epoch (synchronised between them): {split}", flush=True)
+        res["profile"] = {"variant": best, "phases_s": split,
+                          "top_ops": top_ops(lambda: epoch(policy, critic, opt, exp, order, mb, N, pack_tokens=pk))}
+        print(f"phases of one {best} epoch (synchronised between them): {split}", flush=True)
         for o in res["profile"]["top_ops"][:10]:
             print(f"  {o['ms']:9.3f} ms {100 * o['share']:5.1f}% x{o['calls']:<5} {o['op']}", flush=True)
-    r, b = res["variants"]["rollout_order"], res["variants"]["bucket_by_length"]
-    print(f"bucket_by_length: {r['s'] / b['s']:.2f}x faster, {b['computed_tokens'] / r['computed_tokens']:.2f} of the tokens computed")
+    r = res["variants"]["rollout_order"]
+    for k, v in res["variants"].items():
+        print(f"{k}: {r['s'] / v['s']:.2f}x the rollout order's speed, {v['computed_tokens'] / r['computed_tokens']:.2f} of its tokens computed")
     if a.out:
         write_json(a.out, res)
 

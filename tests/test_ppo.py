@@ -366,7 +366,7 @@ def test_lora_critic_serves_the_reward_model_from_its_base(stages, tmp_path):
         groups = {"critic": RoleGroup("critic", CriticWorker, placed.critic, pg, "ddp", SEED, "cpu"),
                   "reward": RoleGroup("reward", RewardWorker, placed.reward, pg, "ddp", SEED, "cpu")}
         ray.get([r for g in groups.values() for r in g.connect()])
-        ray.get([groups["critic"].workers[0].load.remote(store, rm, placed), groups["reward"].workers[0].load.remote(store, rm)])
+        ray.get([groups["critic"].workers[0].load.remote(store, rm, placed), groups["reward"].workers[0].load.remote(store, rm, placed)])
         ids = torch.randint(3, 400, (4, 12), generator=torch.Generator().manual_seed(0))
         mask = torch.ones_like(ids)
         mask[1, :4] = 0

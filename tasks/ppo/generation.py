@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from tasks.ppo.losses import entropy_from_logits, logprobs_from_logits
-from tasks.ppo.padding import Span, attended_span, cut, pad_actions
+from tasks.ppo.padding import attended_span, cut, pad_actions
 
 
 class Rollout(NamedTuple):
@@ -163,10 +163,43 @@ def generate(
     )
 
 
-def _action_logits(model, sequences: Tensor, attention_mask: Tensor, num_actions: int, temperature: float) -> tuple[Tensor, Tensor, Span]:
-    """Logits that predicted the kept actions, fp32, divided by temperature: ((B, n, V), the
-    actions (B, n), the span). The forward runs on the attended columns only (tasks/ppo/padding.py):
-    n <= N when every row stopped early; ``pad_actions`` restores N columns."""
+def packs(model) -> bool:
+    """Whether ``model``'s forward honours packed sequences (tasks/ppo/packing.py): a transformers
+    model (its masks come from ``masking_utils``, which reads sequence starts from the position
+    ids) that takes ``position_ids``. Remote code and position-free models (bloom's alibi) run padded."""
+    base = _unwrap(model)
+    return type(base).__module__.startswith("transformers.models.") and "position_ids" in inspect.signature(base.forward).parameters
+
+
+def _per_action(fn: Callable, logits: Tensor, *rest: Tensor, rows: int = 1024) -> Tensor:
+    """``fn`` (a (1, k, V) -> (1, k) loss helper) over (K, V) logits in pieces of ``rows``, -> (K,)."""
+    return torch.cat([fn(lg[None], *(r[None] for r in rs))[0]
+                      for lg, *rs in zip(logits.split(rows), *(r.split(rows) for r in rest))])
+
+
+def _action_logits(model, sequences: Tensor, attention_mask: Tensor, num_actions: int, temperature: float,
+                   pack_tokens: int = 0) -> tuple[Tensor, Tensor, Callable[[Tensor], Tensor]]:
+    """Logits that predicted the actions, fp32, divided by temperature, the actions, and the map
+    from per-action values back to (B, N) (zeros where nothing was computed).
+
+    ``pack_tokens`` > 0 (``ppo.pack_tokens``) and a model that ``packs``: the rows' real tokens
+    packed into bins of that many columns (tasks/ppo/packing.py), the LM head on the K positions
+    that predict attended actions: ((K, V), (K,)). Else the forward runs on the attended columns
+    (tasks/ppo/padding.py), the LM head on the last n + 1 of them: ((B, n, V), (B, n)), n <= N
+    when every row stopped early."""
+    if pack_tokens and packs(model):
+        from tasks.ppo.packing import action_positions, head_on, pack
+
+        p = pack(sequences, attention_mask, pack_tokens)
+        places = action_positions(p, attention_mask, num_actions)  # (B, N)
+        valid = places >= 0
+        with head_on(_unwrap(model).get_output_embeddings(), places[valid]) as ran:
+            logits = model(input_ids=p.input_ids, position_ids=p.position_ids, use_cache=False).logits
+        logits = logits[0] if ran else logits.reshape(-1, logits.shape[-1])[places[valid]]
+
+        def restore(x: Tensor) -> Tensor:
+            return torch.zeros(valid.shape, dtype=x.dtype, device=x.device).masked_scatter(valid, x)
+        return logits.float() / temperature, sequences[:, -num_actions:][valid], restore
     span = attended_span(attention_mask, num_actions)
     sequences, attention_mask, n = cut(sequences, span), cut(attention_mask, span), span.actions
     # position t's logits predict token t+1: the n actions are predicted by positions -n-1 .. -2,
@@ -174,23 +207,31 @@ def _action_logits(model, sequences: Tensor, attention_mask: Tensor, num_actions
     kw = {"logits_to_keep": n + 1} if "logits_to_keep" in inspect.signature(_unwrap(model).forward).parameters else {}
     out = model(input_ids=sequences, attention_mask=attention_mask,
                 position_ids=position_ids_from_mask(attention_mask), use_cache=False, **kw)
-    return out.logits[:, -n - 1 : -1, :].float() / temperature, sequences[:, -n:], span
+    return out.logits[:, -n - 1 : -1, :].float() / temperature, sequences[:, -n:], lambda x: pad_actions(x, span)
 
 
-def action_logprobs(model, sequences: Tensor, attention_mask: Tensor, num_actions: int, temperature: float = 1.0) -> Tensor:
+def action_logprobs(model, sequences: Tensor, attention_mask: Tensor, num_actions: int, temperature: float = 1.0,
+                    pack_tokens: int = 0) -> Tensor:
     """log pi(a_t | prefix) of the last ``num_actions`` (N) tokens of ``sequences`` (B, L) -> (B, N).
 
     One forward (with grad if enabled), positions from the attention mask. Logits are divided by
     ``temperature`` so the numbers match the distribution ``generate`` sampled from (before
-    top-k / top-p). Values after a row's EOS are meaningless; mask them with the action mask.
+    top-k / top-p). Values after a row's EOS are meaningless (0 when packed); mask them with the
+    action mask. ``pack_tokens``: see ``_action_logits``.
     The model's mode is left alone: PPO ratios need deterministic forwards, so turn dropout off
     (``eval()`` or dropout 0 in the config; a fresh ``get_peft_model`` is in train mode).
     """
-    logits, actions, span = _action_logits(model, sequences, attention_mask, num_actions, temperature)
-    return pad_actions(logprobs_from_logits(logits, actions), span)
+    logits, actions, restore = _action_logits(model, sequences, attention_mask, num_actions, temperature, pack_tokens)
+    if logits.dim() == 2:
+        return restore(_per_action(logprobs_from_logits, logits, actions))
+    return restore(logprobs_from_logits(logits, actions))
 
 
-def forward_actions(model, sequences: Tensor, attention_mask: Tensor, num_actions: int, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
+def forward_actions(model, sequences: Tensor, attention_mask: Tensor, num_actions: int, temperature: float = 1.0,
+                    pack_tokens: int = 0) -> tuple[Tensor, Tensor]:
     """``action_logprobs`` plus the entropy of each action's distribution: ((B, N), (B, N))."""
-    logits, actions, span = _action_logits(model, sequences, attention_mask, num_actions, temperature)
-    return pad_actions(logprobs_from_logits(logits, actions), span), pad_actions(entropy_from_logits(logits), span)
+    logits, actions, restore = _action_logits(model, sequences, attention_mask, num_actions, temperature, pack_tokens)
+    if logits.dim() == 2:
+        return (restore(_per_action(logprobs_from_logits, logits, actions)),
+                restore(_per_action(entropy_from_logits, logits)))
+    return restore(logprobs_from_logits(logits, actions)), restore(entropy_from_logits(logits))

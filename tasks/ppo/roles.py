@@ -51,6 +51,7 @@ from tasks.ppo.fast_generate import fast_generate_applies
 from tasks.ppo.group import (DistributedWorker, agree_finished, as_returns, compile_blocks, full_state, load_full_state, load_trainable,
                              plain_copy, prime_cpu_adam, wants_compile, wrap_learner)
 from tasks.ppo.padding import attended_span, cut, logit_rows, pad_actions, score_together
+from tasks.ppo.packing import action_positions, pack, unpack
 
 
 def _chunks(rollout, n: int):
@@ -256,7 +257,7 @@ class PolicyWorker(_LearnerMixin, DistributedWorker):
 
         with autocast(self.device):
             logp, ent = forward_actions(self.infer_model, rollout.sequences.to(self.device), rollout.attention_mask.to(self.device),
-                                        rollout.action_mask.shape[1], self.ppo.temperature)
+                                        rollout.action_mask.shape[1], self.ppo.temperature, self.ppo.pack_tokens)
         return logp.cpu(), ent.cpu()
 
     @torch.no_grad()
@@ -287,7 +288,8 @@ class PolicyWorker(_LearnerMixin, DistributedWorker):
             for i in torch.randperm(len(experience), generator=self.learn_gen).tolist():
                 e = Experience(*(t.to(self.device) for t in experience[i]))
                 with autocast(self.device):
-                    logp = action_logprobs(self.model, e.sequences, e.attention_mask, e.action_mask.shape[1], self.ppo.temperature)
+                    logp = action_logprobs(self.model, e.sequences, e.attention_mask, e.action_mask.shape[1], self.ppo.temperature,
+                                           self.ppo.pack_tokens)
                     pl = ppo_clip_loss(logp, e.logprobs, e.advantages, e.action_mask, self.ppo.eps_clip, aggregate)
                     loss = pl.loss
                     if kl_in_loss:
@@ -348,7 +350,7 @@ class ReferenceWorker(DistributedWorker):
 
         with autocast(self.device):
             return action_logprobs(self.model, rollout.sequences.to(self.device), rollout.attention_mask.to(self.device),
-                                   rollout.action_mask.shape[1], self.ppo.temperature).cpu()
+                                   rollout.action_mask.shape[1], self.ppo.temperature, self.ppo.pack_tokens).cpu()
 
     @torch.no_grad()
     def reference_logprobs(self, *rollouts):
@@ -359,9 +361,10 @@ class ReferenceWorker(DistributedWorker):
 class RewardWorker(DistributedWorker):
     """Frozen reward model: one score per sequence."""
 
-    def load(self, store, rm: ArtifactRef) -> None:
+    def load(self, store, rm: ArtifactRef, ppo: PPOConfig) -> None:
         from tasks.rm.model import load_reward_model
 
+        self.ppo = ppo
         self.model = load_reward_model(str(store.fetch(rm)), device=self.device).eval().requires_grad_(False)
 
     @torch.no_grad()
@@ -373,21 +376,41 @@ class RewardWorker(DistributedWorker):
         # the reward model reads the last token of the attention mask — the first stop token, or
         # the last one of a truncated response — and takes positions from the mask, so left-padded
         # rollouts score as the right-padded pairs it was trained on (pad == eos changes nothing)
-        span = attended_span(rollout.attention_mask, rollout.action_mask.shape[1])  # no forward on all-pad columns
         with autocast(self.device):
-            return self.model(cut(rollout.sequences, span).to(self.device), cut(rollout.attention_mask, span).to(self.device)).float().cpu()
+            return score_rows(self.model, rollout, self.ppo.pack_tokens, self.device)
+
+
+def score_rows(rm, rollout, pack_tokens: int, device: str, head=None) -> Tensor:
+    """``rm``'s score (B,) of each rollout row at its last attended token, fp32 on the CPU: the real
+    tokens packed (tasks/ppo/packing.py, ``ppo.pack_tokens``) or the attended columns only
+    (tasks/ppo/padding.py)."""
+    from tasks.ppo.generation import packs
+
+    seqs, attn = rollout.sequences.to(device), rollout.attention_mask.to(device)
+    if pack_tokens and packs(rm.body):
+        p = pack(seqs, attn, pack_tokens)
+        return rm.values(p.input_ids, None, head, p.position_ids).reshape(-1)[p.index.amax(1)].float().cpu()
+    span = attended_span(attn, rollout.action_mask.shape[1])  # no forward on all-pad columns
+    return rm(cut(seqs, span), cut(attn, span), head=head).float().cpu()
 
 
 class _Values(torch.nn.Module):
     """The critic's forward: per-token values of the reward model's head, so DDP/FSDP hook it."""
 
-    def __init__(self, rm):
+    def __init__(self, rm, pack_tokens: int = 0):
         super().__init__()
-        self.rm = rm
+        self.rm, self.pack_tokens = rm, pack_tokens
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor, num_actions: int) -> Tensor:
         # values[t] estimates the return after token t; the state before action a_t is t-1.
-        # Only the attended columns go through the body (tasks/ppo/padding.py).
+        # Only the real tokens go through the body, packed (tasks/ppo/packing.py), or the
+        # attended columns (tasks/ppo/padding.py).
+        from tasks.ppo.generation import packs
+
+        if self.pack_tokens and packs(self.rm.body):
+            p = pack(input_ids, attention_mask, self.pack_tokens)
+            return unpack(self.rm.values(p.input_ids, None, position_ids=p.position_ids).float(),
+                          action_positions(p, attention_mask, num_actions))
         span = attended_span(attention_mask, num_actions)
         values = self.rm.values(cut(input_ids, span), cut(attention_mask, span))
         return pad_actions(values[:, -span.actions - 1:-1].float(), span)
@@ -426,7 +449,7 @@ class CriticWorker(_LearnerMixin, DistributedWorker):
         torch.autograd.set_detect_anomaly(ppo.detect_anomaly, check_nan=True)  # process-wide: this learner's backward
         if wants_compile(ppo.compile, self.device, rm, self.strategy):
             compile_blocks(rm)
-        self.model, self.optim, self.infer_model = wrap_learner(_Values(rm), ppo.critic_lr, self.strategy, self.device, ppo.max_grad_norm,
+        self.model, self.optim, self.infer_model = wrap_learner(_Values(rm, ppo.pack_tokens), ppo.critic_lr, self.strategy, self.device, ppo.max_grad_norm,
                                                                       ppo.colossalai_offload)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.learn_gen = torch.Generator().manual_seed(self.seed * 7919 + 202 + self.rank)
@@ -440,10 +463,8 @@ class CriticWorker(_LearnerMixin, DistributedWorker):
 
     def _score(self, rollout) -> Tensor:
         rm = self.infer_model.rm
-        span = attended_span(rollout.attention_mask, rollout.action_mask.shape[1])
         with rm.body.disable_adapter(), autocast(self.device):
-            return rm(cut(rollout.sequences, span).to(self.device), cut(rollout.attention_mask, span).to(self.device),
-                      head=self.reward_head).float().cpu()
+            return score_rows(rm, rollout, self.ppo.pack_tokens, self.device, head=self.reward_head)
 
     def _generators(self):
         return (self.learn_gen,)

@@ -330,7 +330,7 @@ def start_roles(cfg, model, store, data, sft, rm, seed, tokenizer, pgs, stop_ids
     data, sft, rm = parts["data"], parts["sft"], parts.get("rm")
     loads = [w.load.remote(model, store, sft, data, cfg, tokenizer.pad_token_id, stop_ids) for w in groups["actor"].workers]
     loads += [w.load.remote(model, store, sft, cfg) for w in (groups["initial"].workers if "initial" in groups else [])]
-    loads += [w.load.remote(store, rm) for w in (groups["reward"].workers if "reward" in groups else [])]
+    loads += [w.load.remote(store, rm, cfg) for w in (groups["reward"].workers if "reward" in groups else [])]
     loads += [w.load.remote(store, rm, cfg) for w in (groups["critic"].workers if "critic" in groups else [])]
     ray.get(loads)
     return groups
