@@ -37,6 +37,7 @@ from bench.common import (H200_BF16_DENSE_TFLOPS, VOCAB, build_policy, build_val
 from tasks.ppo.fast_generate import FastGenerator  # noqa: E402
 from tasks.ppo.generation import action_logprobs, generate  # noqa: E402
 from tasks.ppo.group import compile_blocks  # noqa: E402
+from tasks.ppo.roles import _Values, score_rows  # noqa: E402
 from tasks.ppo.losses import gae, kl_k1, masked_whiten, ppo_clip_loss, token_rewards, value_loss  # noqa: E402
 
 PAD = 0
@@ -47,13 +48,20 @@ def autocast():
     return torch.autocast(DEV, dtype=torch.bfloat16)
 
 
+PACK = 0  # --pack-tokens: ppo.pack_tokens of every forward (tasks/ppo/packing.py)
+
+
 def values(critic, seqs, attn, n):
-    return critic.values(seqs, attn)[:, -n - 1:-1].float()  # the PPO critic's slice (roles._Values)
+    return _Values(critic, PACK)(seqs, attn, n)  # the PPO critic's forward
+
+
+def reward_scores(rm, rollout):
+    return score_rows(rm, rollout, PACK, DEV)  # the reward role's forward
 
 
 def learn_step(policy, critic, opt, exp, n):
     with autocast():
-        logp = action_logprobs(policy, exp["seqs"], exp["attn"], n)
+        logp = action_logprobs(policy, exp["seqs"], exp["attn"], n, pack_tokens=PACK)
         pl = ppo_clip_loss(logp, exp["old_logp"], exp["adv"], exp["amask"])
         vl = value_loss(values(critic, exp["seqs"], exp["attn"], n), exp["old_values"], exp["returns"], exp["amask"])
     (pl.loss + vl.loss).backward()
@@ -67,13 +75,13 @@ def make_experience(policy, ref, critic, rm, rollout, n, split: dict | None = No
     t = {} if split is None else split
     with autocast():
         with timed(t, "policy_logprobs"):
-            old_logp = action_logprobs(policy, seqs, attn, n)
+            old_logp = action_logprobs(policy, seqs, attn, n, pack_tokens=PACK)
         with timed(t, "ref_logprobs"):
-            ref_logp = action_logprobs(ref, seqs, attn, n)
+            ref_logp = action_logprobs(ref, seqs, attn, n, pack_tokens=PACK)
         with timed(t, "values"):
             old_values = values(critic, seqs, attn, n)
         with timed(t, "reward"):
-            score = rm(seqs, attn).float()
+            score = reward_scores(rm, rollout).to(DEV)
     with timed(t, "gae"):
         adv, ret = gae(token_rewards(score, kl_k1(old_logp, ref_logp), amask, 0.05), old_values, amask, 1.0, 0.95)
     return dict(seqs=seqs, attn=attn, amask=amask, old_logp=old_logp, old_values=old_values,
@@ -243,7 +251,10 @@ def main() -> None:
     ap.add_argument("--minibatch", type=int, default=None, help="rows per optimizer step in the iteration (default: the whole batch)")
     ap.add_argument("--attention", default="", help="decode attention variants to time side by side on the bf16 policy, "
                     "comma-separated FastGenerator attention= values (e.g. sdpa,triton)")
+    ap.add_argument("--pack-tokens", type=int, default=0, help="ppo.pack_tokens of the learn and scoring forwards (0: unpacked, the attended columns)")
     a = ap.parse_args()
+    global PACK
+    PACK = a.pack_tokens
     a.attention = [v.strip() for v in a.attention.split(",") if v.strip()]
     torch.backends.cuda.matmul.allow_tf32 = True
     B, P, N = a.batch, a.prompt_len, a.new_tokens

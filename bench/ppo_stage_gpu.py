@@ -132,7 +132,9 @@ def run_one(name, model, sft_cfg, rm_cfg, ppo_cfg, store, stats: RoleStats) -> d
     t["train_ppo_s"] = time.perf_counter() - t0
     summary = store.manifest(ref.key)["metrics"]
     split = [{k: m[f"time/{k}_s"] for k in ("generate", "score", "learn", "iteration")} for m in iters]
-    steady = split[1:] or split  # iteration 1 holds the graph capture / first-call costs
+    # iteration 1 holds the graph capture / first-call costs; with compiled blocks, iteration 2 the
+    # recompilation for a second shape (which marks the varying dimensions dynamic)
+    steady = split[2:] if len(split) > 3 else split[1:] or split
     mean = {k: statistics.mean(s[k] for s in steady) for k in split[0]}
     out = {
         "model": model.pretrain, "ppo": ppo_cfg.model_dump(mode="json"), "stage_s": t,

@@ -57,7 +57,7 @@ def ragged_batch(B: int, P: int, N: int, vocab: int, seed: int = 0) -> dict:
     seqs = torch.randint(3, vocab, (B, P + N), generator=g) * attn
     rnd = lambda: torch.randn(B, N, generator=g) * amask  # noqa: E731
     exp = dict(seqs=seqs, attn=attn, amask=amask, old_logp=rnd() * 0.1 - 2.0, old_values=rnd(), adv=rnd(), returns=rnd())
-    return {k: v.to(DEV) for k, v in exp.items()}
+    return {**{k: v.to(DEV) for k, v in exp.items()}, "seqs_cpu": seqs, "attn_cpu": attn}
 
 
 def epoch(policy, critic, opt, exp: dict, order: torch.Tensor, mb: int, N: int, phases: dict | None = None, pack_tokens: int = 0) -> None:
@@ -75,10 +75,10 @@ def epoch(policy, critic, opt, exp: dict, order: torch.Tensor, mb: int, N: int, 
         sync()
         phases[key] = phases.get(key, 0.0) + time.perf_counter() - t
 
-    for rows in order.split(mb):
-        e = {k: v[rows] for k, v in exp.items()}
+    for rows in order.split(mb):  # the policy's batch given on the CPU, as the stage's learner has it from Ray
+        e = {k: v[rows.to(DEV)] for k, v in exp.items() if not k.endswith("_cpu")}
         with lap("forward_s"), torch.autocast(DEV, dtype=torch.bfloat16, enabled=DEV == "cuda"):
-            logp = action_logprobs(policy, e["seqs"], e["attn"], N, pack_tokens=pack_tokens)
+            logp = action_logprobs(policy, exp["seqs_cpu"][rows], exp["attn_cpu"][rows], N, pack_tokens=pack_tokens, device=DEV)
             pl = ppo_clip_loss(logp, e["old_logp"], e["adv"], e["amask"])
             critic.pack_tokens = pack_tokens
             vl = value_loss(critic(e["seqs"], e["attn"], N), e["old_values"], e["returns"], e["amask"])
@@ -95,14 +95,29 @@ def top_ops(fn, n: int = 15) -> list[dict]:
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEV == "cuda" else [])
+    sync()
+    t0 = time.perf_counter()
     with profile(activities=acts) as prof:
         fn()
         sync()
+    wall = time.perf_counter() - t0
     attr = "self_device_time_total" if DEV == "cuda" else "self_cpu_time_total"
     rows = [(e.key, getattr(e, attr), e.count) for e in prof.key_averages()]
     total = sum(t for _, t, _ in rows) or 1.0
-    return [{"op": k[:120], "ms": round(t / 1e3, 3), "calls": c, "share": round(t / total, 4)}
-            for k, t, c in sorted(rows, key=lambda r: -r[1])[:n]]
+    top = [{"op": k[:120], "ms": round(t / 1e3, 3), "calls": c, "share": round(t / total, 4)}
+           for k, t, c in sorted(rows, key=lambda r: -r[1])[:n]]
+    # device kernels only (aten:: and Python-level rows repeat their kernels' time), by kind
+    kinds = {"gemm": ("gemm", "nvjet", "cutlass_80_tensorop", "sm90_xmma", "cublas"), "attention": ("fmha", "attention", "flash"),
+             "optimizer": ("multi_tensor_apply",), "triton (fused elementwise)": ("triton_",), "copy / cast": ("copy", "memcpy", "memset")}
+    by_kind = {k: 0.0 for k in [*kinds, "other"]}
+    kernels = [(k, t) for k, t, _ in rows if not k.startswith(("aten::", "Optimizer", "cuda", "Torch-Compiled", "CompiledFunction", "autograd::",
+                                                             "## ", "ProfilerStep", "Memcpy", "Memset")) and t > 0]
+    for k, t in kernels:
+        kind = next((kk for kk, keys in kinds.items() if any(x in k.lower() for x in keys)), "other")
+        by_kind[kind] += t / 1e3
+    busy = sum(by_kind.values())
+    return {"wall_ms": round(wall * 1e3, 1), "kernel_ms": round(busy, 1), "kernel_share_of_wall": round(busy / (wall * 1e3), 3),
+            "kernel_ms_by_kind": {k: round(v, 1) for k, v in by_kind.items()}, "top_ops": top}
 
 
 def work(cfg, exp: dict, order: torch.Tensor, mb: int, N: int, pack_tokens: int = 0) -> dict:
@@ -116,12 +131,12 @@ def work(cfg, exp: dict, order: torch.Tensor, mb: int, N: int, pack_tokens: int 
     computed_tokens, computed = 0, 0.0
     for rows in order.split(mb):
         if pack_tokens:
-            R, C = pack(exp["seqs"][rows], exp["attn"][rows], pack_tokens).input_ids.shape
+            R, C = pack(exp["seqs_cpu"][rows], exp["attn_cpu"][rows], pack_tokens).input_ids.shape
             t, k = R * C, int(exp["amask"][rows].sum())
             computed_tokens += t
             computed += train_flops(cfg, t, C, k, cfg.vocab_size) + train_flops(cfg, t, C, t, 1)
             continue
-        s = attended_span(exp["attn"][rows], N)
+        s = attended_span(exp["attn_cpu"][rows], N)
         t = len(rows) * (s.stop - s.start)
         computed_tokens += t
         computed += (train_flops(cfg, t, s.stop - s.start, len(rows) * (s.actions + 1), cfg.vocab_size)
@@ -139,6 +154,7 @@ def main() -> None:
     ap.add_argument("--variants", default="rollout_order,bucket_by_length,packed256,packed512,packed1024,packed512_bucket",
                     help="rollout_order / bucket_by_length: unpacked, minibatches in rollout order / by length_order; "
                     "packedC: rows packed into bins of C columns (ppo.pack_tokens C), rollout order; packedC_bucket: by length_order")
+    ap.add_argument("--profile-variants", default="rollout_order,packed1024", help="with --profile: these variants too")
     ap.add_argument("--profile", action="store_true", help="then one bucketed epoch with its phases timed apart, and one under "
                     "torch.profiler (the ops with the most device time): where the time of an epoch goes")
     a = ap.parse_args()
@@ -162,8 +178,7 @@ def main() -> None:
     opt = torch.optim.AdamW([p for m in (policy, critic) for p in m.parameters() if p.requires_grad], lr=1e-7, fused=DEV == "cuda")
     exp = ragged_batch(B, P, N, a.vocab)
     cfg = llama_config(a.shape, vocab=a.vocab)
-    orders = {"rollout_order": torch.arange(B, device=DEV),
-              "bucket_by_length": length_order(exp["attn"].cpu(), N, mb).to(DEV)}
+    orders = {"rollout_order": torch.arange(B), "bucket_by_length": length_order(exp["attn_cpu"], N, mb)}
     variants = {}
     for v in a.variants.split(","):
         if v in orders:
@@ -197,11 +212,16 @@ def main() -> None:
         phases: dict = {}
         epoch(policy, critic, opt, exp, order, mb, N, phases, pk)
         split = {k: round(v, 4) for k, v in phases.items()}
-        res["profile"] = {"variant": best, "phases_s": split,
-                          "top_ops": top_ops(lambda: epoch(policy, critic, opt, exp, order, mb, N, pack_tokens=pk))}
+        res["profile"] = {"variant": best, "phases_s": split}
         print(f"phases of one {best} epoch (synchronised between them): {split}", flush=True)
-        for o in res["profile"]["top_ops"][:10]:
-            print(f"  {o['ms']:9.3f} ms {100 * o['share']:5.1f}% x{o['calls']:<5} {o['op']}", flush=True)
+        for name in dict.fromkeys([best, *a.profile_variants.split(",")]):
+            if name in variants:
+                order, pk = variants[name]
+                prof = res["profile"][name] = top_ops(lambda: epoch(policy, critic, opt, exp, order, mb, N, pack_tokens=pk))
+                print(f"{name} under the profiler: {prof['wall_ms']} ms wall, {prof['kernel_ms']} ms of kernels "
+                      f"({100 * prof['kernel_share_of_wall']:.0f}%): {prof['kernel_ms_by_kind']}", flush=True)
+                for o in prof["top_ops"][:8]:
+                    print(f"  {o['ms']:9.3f} ms {100 * o['share']:5.1f}% x{o['calls']:<5} {o['op']}", flush=True)
     r = res["variants"]["rollout_order"]
     for k, v in res["variants"].items():
         print(f"{k}: {r['s'] / v['s']:.2f}x the rollout order's speed, {v['computed_tokens'] / r['computed_tokens']:.2f} of its tokens computed")

@@ -178,30 +178,37 @@ def _per_action(fn: Callable, logits: Tensor, *rest: Tensor, rows: int = 1024) -
 
 
 def _action_logits(model, sequences: Tensor, attention_mask: Tensor, num_actions: int, temperature: float,
-                   pack_tokens: int = 0) -> tuple[Tensor, Tensor, Callable[[Tensor], Tensor]]:
+                   pack_tokens: int = 0, device: torch.device | str | None = None) -> tuple[Tensor, Tensor, Callable[[Tensor], Tensor]]:
     """Logits that predicted the actions, fp32, divided by temperature, the actions, and the map
-    from per-action values back to (B, N) (zeros where nothing was computed).
+    from per-action values back to (B, N) (zeros where nothing was computed). The forward runs on
+    ``device`` (default: the sequences'); give the batch on the CPU, as it comes from Ray, and the
+    layout is worked out there without making the GPU wait.
 
     ``pack_tokens`` > 0 (``ppo.pack_tokens``) and a model that ``packs``: the rows' real tokens
-    packed into bins of that many columns (tasks/ppo/packing.py), the LM head on the K positions
-    that predict attended actions: ((K, V), (K,)). Else the forward runs on the attended columns
-    (tasks/ppo/padding.py), the LM head on the last n + 1 of them: ((B, n, V), (B, n)), n <= N
-    when every row stopped early."""
+    packed into bins of up to that many columns (tasks/ppo/packing.py), the LM head on the K
+    positions that predict attended actions: ((K, V), (K,)). Else the forward runs on the attended
+    columns (tasks/ppo/padding.py), the LM head on the last n + 1 of them: ((B, n, V), (B, n)),
+    n <= N when every row stopped early."""
+    dev = sequences.device if device is None else torch.device(device)
     if pack_tokens and packs(model):
         from tasks.ppo.packing import action_positions, head_on, pack
 
-        p = pack(sequences, attention_mask, pack_tokens)
-        places = action_positions(p, attention_mask, num_actions)  # (B, N)
+        p = pack(sequences, attention_mask, pack_tokens, device=dev)
+        places = action_positions(p, attention_mask, num_actions)  # (B, N) on the CPU
         valid = places >= 0
-        with head_on(_unwrap(model).get_output_embeddings(), places[valid]) as ran:
+        which = valid.flatten().nonzero().squeeze(1).to(dev, non_blocking=True)  # the flat (row * N + action) of each kept action
+        keep = places[valid].to(dev, non_blocking=True)
+        actions = sequences[:, -num_actions:].to(dev, non_blocking=True).flatten()[which]
+        with head_on(_unwrap(model).get_output_embeddings(), keep) as ran:
             logits = model(input_ids=p.input_ids, position_ids=p.position_ids, use_cache=False).logits
-        logits = logits[0] if ran else logits.reshape(-1, logits.shape[-1])[places[valid]]
+        logits = logits[0] if ran else logits.reshape(-1, logits.shape[-1])[keep]
 
         def restore(x: Tensor) -> Tensor:
-            return torch.zeros(valid.shape, dtype=x.dtype, device=x.device).masked_scatter(valid, x)
-        return logits.float() / temperature, sequences[:, -num_actions:][valid], restore
+            return torch.zeros(valid.numel(), dtype=x.dtype, device=x.device).index_copy(0, which, x).view(valid.shape)
+        return logits.float() / temperature, actions, restore
     span = attended_span(attention_mask, num_actions)
-    sequences, attention_mask, n = cut(sequences, span), cut(attention_mask, span), span.actions
+    sequences, attention_mask = (cut(t, span).to(dev, non_blocking=True) for t in (sequences, attention_mask))
+    n = span.actions
     # position t's logits predict token t+1: the n actions are predicted by positions -n-1 .. -2,
     # so only those n+1 positions go through the LM head (``logits_to_keep``; the prompt's do not)
     kw = {"logits_to_keep": n + 1} if "logits_to_keep" in inspect.signature(_unwrap(model).forward).parameters else {}
@@ -211,26 +218,26 @@ def _action_logits(model, sequences: Tensor, attention_mask: Tensor, num_actions
 
 
 def action_logprobs(model, sequences: Tensor, attention_mask: Tensor, num_actions: int, temperature: float = 1.0,
-                    pack_tokens: int = 0) -> Tensor:
+                    pack_tokens: int = 0, device: torch.device | str | None = None) -> Tensor:
     """log pi(a_t | prefix) of the last ``num_actions`` (N) tokens of ``sequences`` (B, L) -> (B, N).
 
     One forward (with grad if enabled), positions from the attention mask. Logits are divided by
     ``temperature`` so the numbers match the distribution ``generate`` sampled from (before
     top-k / top-p). Values after a row's EOS are meaningless (0 when packed); mask them with the
-    action mask. ``pack_tokens``: see ``_action_logits``.
+    action mask. ``pack_tokens``, ``device``: see ``_action_logits``.
     The model's mode is left alone: PPO ratios need deterministic forwards, so turn dropout off
     (``eval()`` or dropout 0 in the config; a fresh ``get_peft_model`` is in train mode).
     """
-    logits, actions, restore = _action_logits(model, sequences, attention_mask, num_actions, temperature, pack_tokens)
+    logits, actions, restore = _action_logits(model, sequences, attention_mask, num_actions, temperature, pack_tokens, device)
     if logits.dim() == 2:
         return restore(_per_action(logprobs_from_logits, logits, actions))
     return restore(logprobs_from_logits(logits, actions))
 
 
 def forward_actions(model, sequences: Tensor, attention_mask: Tensor, num_actions: int, temperature: float = 1.0,
-                    pack_tokens: int = 0) -> tuple[Tensor, Tensor]:
+                    pack_tokens: int = 0, device: torch.device | str | None = None) -> tuple[Tensor, Tensor]:
     """``action_logprobs`` plus the entropy of each action's distribution: ((B, N), (B, N))."""
-    logits, actions, restore = _action_logits(model, sequences, attention_mask, num_actions, temperature, pack_tokens)
+    logits, actions, restore = _action_logits(model, sequences, attention_mask, num_actions, temperature, pack_tokens, device)
     if logits.dim() == 2:
         return (restore(_per_action(logprobs_from_logits, logits, actions)),
                 restore(_per_action(entropy_from_logits, logits)))

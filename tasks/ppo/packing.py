@@ -71,39 +71,48 @@ def bin_width(lengths: list[int], capacity: int, multiple: int = MULTIPLE) -> tu
     return C, best
 
 
-def pack(sequences: Tensor, attention_mask: Tensor, capacity: int, pad_id: int = 0, multiple: int = MULTIPLE) -> Packed:
+def pack(sequences: Tensor, attention_mask: Tensor, capacity: int, pad_id: int = 0, multiple: int = MULTIPLE,
+         device: torch.device | str | None = None) -> Packed:
     """The attended tokens of ``sequences`` (B, L) (``attention_mask`` 1, one contiguous run a row)
     in bins of C <= ``capacity`` columns (``bin_width``; the longest row's, rounded up to
-    ``multiple``, where that is longer)."""
-    dev = sequences.device
-    mask = attention_mask.to(dev).bool()
+    ``multiple``, where that is longer), built on ``device`` (default: the sequences').
+
+    The layout is worked out on the CPU from the mask, and only the bins' ids and positions go to
+    the device (no blocking copy): given the batch as it arrives from Ray (on the CPU), packing
+    makes the GPU wait for nothing. ``index`` stays on the CPU."""
+    dev = sequences.device if device is None else torch.device(device)
+    mask = attention_mask.bool().cpu()
     lengths = mask.sum(1)
     C, (where, offset, fill) = bin_width(lengths.tolist(), capacity, multiple)
     R = len(fill)
-    start = (torch.tensor(where) * C + torch.tensor(offset)).to(dev)
+    start = torch.tensor(where) * C + torch.tensor(offset)
     pos = (mask.long().cumsum(1) - 1).clamp_min(0)
     index = torch.where(mask, start[:, None] + pos, -1)
     # the tail of bin r is a sequence of its own starting at position 0
-    position_ids = (torch.arange(C)[None, :] - torch.tensor(fill)[:, None]).clamp_min(0).flatten().to(dev)
-    input_ids = torch.full((R * C,), pad_id, dtype=sequences.dtype, device=dev)
+    position_ids = (torch.arange(C)[None, :] - torch.tensor(fill)[:, None]).clamp_min(0).flatten()
+    source = torch.full((R * C,), -1)  # the flat (row * L + column) of the token at each place
     flat = index[mask]
-    input_ids[flat], position_ids[flat] = sequences[mask], pos[mask]
-    return Packed(input_ids.view(R, C), position_ids.view(R, C), index)
+    position_ids[flat], source[flat] = pos[mask], mask.flatten().nonzero().squeeze(1)
+    source = source.to(dev, non_blocking=True)
+    tokens = sequences.to(dev, non_blocking=True).flatten()[source.clamp_min(0)]
+    input_ids = torch.where(source >= 0, tokens, pad_id)
+    return Packed(input_ids.view(R, C), position_ids.view(R, C).to(dev, non_blocking=True), index)
 
 
 def unpack(x: Tensor, index: Tensor) -> Tensor:
     """Per-token outputs of the bins (R, C, ...) -> (B, K, ...) at ``index`` (B, K); 0 where it is -1."""
+    index = index.to(x.device, non_blocking=True)
     flat = x.reshape(-1, *x.shape[2:])[index.clamp_min(0)]
     keep = (index >= 0).view(*index.shape, *([1] * (flat.dim() - index.dim())))
     return torch.where(keep, flat, flat.new_zeros(()))
 
 
 def action_positions(packed: Packed, attention_mask: Tensor, num_actions: int) -> Tensor:
-    """(B, N) flat place of the token that predicts each action (the one before it); -1 where the
-    action column is not attended (after a row's stop)."""
+    """(B, N) flat place (on the CPU) of the token that predicts each action (the one before it);
+    -1 where the action column is not attended (after a row's stop)."""
     L = attention_mask.shape[1]
     before = packed.index[:, L - num_actions - 1: L - 1]
-    return torch.where(attention_mask[:, L - num_actions:].bool(), before, -1)
+    return torch.where(attention_mask[:, L - num_actions:].bool().cpu(), before, -1)
 
 
 @contextlib.contextmanager

@@ -256,8 +256,8 @@ class PolicyWorker(_LearnerMixin, DistributedWorker):
         from tasks.ppo.generation import forward_actions
 
         with autocast(self.device):
-            logp, ent = forward_actions(self.infer_model, rollout.sequences.to(self.device), rollout.attention_mask.to(self.device),
-                                        rollout.action_mask.shape[1], self.ppo.temperature, self.ppo.pack_tokens)
+            logp, ent = forward_actions(self.infer_model, rollout.sequences, rollout.attention_mask, rollout.action_mask.shape[1],
+                                        self.ppo.temperature, self.ppo.pack_tokens, self.device)
         return logp.cpu(), ent.cpu()
 
     @torch.no_grad()
@@ -286,10 +286,10 @@ class PolicyWorker(_LearnerMixin, DistributedWorker):
         steps = 0
         for _ in range(self.ppo.ppo_epochs):
             for i in torch.randperm(len(experience), generator=self.learn_gen).tolist():
-                e = Experience(*(t.to(self.device) for t in experience[i]))
-                with autocast(self.device):
-                    logp = action_logprobs(self.model, e.sequences, e.attention_mask, e.action_mask.shape[1], self.ppo.temperature,
-                                           self.ppo.pack_tokens)
+                e = Experience(*(t.to(self.device, non_blocking=True) for t in experience[i]))
+                with autocast(self.device):  # the batch's layout from its CPU copy: tasks/ppo/packing.py
+                    logp = action_logprobs(self.model, experience[i].sequences, experience[i].attention_mask, e.action_mask.shape[1],
+                                           self.ppo.temperature, self.ppo.pack_tokens, self.device)
                     pl = ppo_clip_loss(logp, e.logprobs, e.advantages, e.action_mask, self.ppo.eps_clip, aggregate)
                     loss = pl.loss
                     if kl_in_loss:
@@ -349,8 +349,8 @@ class ReferenceWorker(DistributedWorker):
         from tasks.ppo.generation import action_logprobs
 
         with autocast(self.device):
-            return action_logprobs(self.model, rollout.sequences.to(self.device), rollout.attention_mask.to(self.device),
-                                   rollout.action_mask.shape[1], self.ppo.temperature, self.ppo.pack_tokens).cpu()
+            return action_logprobs(self.model, rollout.sequences, rollout.attention_mask, rollout.action_mask.shape[1],
+                                   self.ppo.temperature, self.ppo.pack_tokens, self.device).cpu()
 
     @torch.no_grad()
     def reference_logprobs(self, *rollouts):
@@ -386,12 +386,13 @@ def score_rows(rm, rollout, pack_tokens: int, device: str, head=None) -> Tensor:
     (tasks/ppo/padding.py)."""
     from tasks.ppo.generation import packs
 
-    seqs, attn = rollout.sequences.to(device), rollout.attention_mask.to(device)
+    seqs, attn = rollout.sequences, rollout.attention_mask
     if pack_tokens and packs(rm.body):
-        p = pack(seqs, attn, pack_tokens)
-        return rm.values(p.input_ids, None, head, p.position_ids).reshape(-1)[p.index.amax(1)].float().cpu()
+        p = pack(seqs, attn, pack_tokens, device=device)
+        last = p.index.amax(1).to(device, non_blocking=True)
+        return rm.values(p.input_ids, None, head, p.position_ids).reshape(-1)[last].float().cpu()
     span = attended_span(attn, rollout.action_mask.shape[1])  # no forward on all-pad columns
-    return rm(cut(seqs, span), cut(attn, span), head=head).float().cpu()
+    return rm(cut(seqs, span).to(device), cut(attn, span).to(device), head=head).float().cpu()
 
 
 class _Values(torch.nn.Module):
@@ -485,7 +486,7 @@ class CriticWorker(_LearnerMixin, DistributedWorker):
         loss_sum, clip_sum, steps = 0.0, 0.0, 0
         for _ in range(self.ppo.ppo_epochs):
             for i in torch.randperm(len(experience), generator=self.learn_gen).tolist():
-                e = Experience(*(t.to(self.device) for t in experience[i]))
+                e = Experience(*(t.to(self.device, non_blocking=True) for t in experience[i]))
                 with autocast(self.device):
                     v = self.model(e.sequences, e.attention_mask, e.action_mask.shape[1])
                     vl = value_loss(v, e.values, e.returns, e.action_mask, self.ppo.value_clip)
