@@ -162,8 +162,8 @@ def test_attention_choice():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert pick_decode_attention("sdpa", cuda) == "sdpa"
     assert pick_decode_attention("triton", cuda) == "triton"  # triton is in the test extra
-    with pytest.raises(ValueError, match="attention 'auto' is not one of"):  # no default until measured on a GPU
-        pick_decode_attention("auto", cuda)
+    assert pick_decode_attention("auto", cuda) == "triton"  # ppo.decode_attention's default: the kernel on a GPU
+    assert pick_decode_attention("auto", cpu) == "sdpa"  # and torch's attention elsewhere, interpreter or not
     with pytest.raises(ValueError, match="attention 'flash' is not one of"):
         pick_decode_attention("flash", cpu)
     if os.environ.get("TRITON_INTERPRET") != "1":
@@ -173,11 +173,13 @@ def test_attention_choice():
 
 def test_triton_attention_without_the_triton_package_is_refused_with_the_package_named():
     """Where triton is not installed (no wheel for the platform), FastGenerator(attention='triton')
-    stops at construction with the package and the way out named; 'sdpa' still builds. Run in a
+    stops at construction with the package and the way out named; 'sdpa' still builds and 'auto'
+    (the default) takes it. Run in a
     process where ``import triton`` fails."""
     code = ("import sys; sys.modules['triton'] = None\n"
             "import torch\nfrom tasks.ppo.fast_generate import pick_decode_attention\n"
             "assert pick_decode_attention('sdpa', torch.device('cpu')) == 'sdpa'\n"
+            "assert pick_decode_attention('auto', torch.device('cuda')) == 'sdpa'\n"
             "try:\n    pick_decode_attention('triton', torch.device('cuda'))\n"
             "except ValueError as e:\n    print('RESULT', e)\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)

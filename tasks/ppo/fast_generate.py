@@ -85,21 +85,23 @@ def check_fast_generate(mode: str, strategy: str, model_cfg) -> None:
     fast_generate_applies(mode, strategy, "cpu", config)
 
 
-DECODE_ATTENTION = ("sdpa", "triton")
+DECODE_ATTENTION = ("auto", "sdpa", "triton")
 
 
 def pick_decode_attention(choice: str, device: torch.device) -> str:
-    """FastGenerator's ``attention``, checked: 'sdpa' (the default until the Triton kernel is
-    measured on a GPU: bench/ppo_iteration.py --attention sdpa,triton) or 'triton'. 'triton' off
-    CUDA runs only in Triton's interpreter (TRITON_INTERPRET=1: the CPU tests), so it is refused
-    there without it."""
+    """FastGenerator's ``attention``, checked: 'sdpa', 'triton' or 'auto' (the default: 'triton'
+    on a CUDA device where the triton package imports, else 'sdpa'; measured on the H200 and H100,
+    bench/RESULTS.md). 'triton' off CUDA runs only in Triton's interpreter (TRITON_INTERPRET=1: the
+    CPU tests), so it is refused there without it."""
     if choice not in DECODE_ATTENTION:
         raise ValueError(f"FastGenerator: attention {choice!r} is not one of {DECODE_ATTENTION}")
-    if choice == "sdpa":
+    if choice == "sdpa" or (choice == "auto" and device.type != "cuda"):
         return "sdpa"
     try:
         from tasks.ppo import decode_attention  # registers torch.ops.rlhf.decode_attention
     except ImportError as e:
+        if choice == "auto":
+            return "sdpa"
         raise ValueError(f"FastGenerator: attention 'triton' needs the triton package ({e}); "
                          "install it or use attention 'sdpa'") from e
     if device.type != "cuda" and not decode_attention.INTERPRETED:
