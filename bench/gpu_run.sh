@@ -44,7 +44,7 @@ for step in "$@"; do
             timeout 240 python3 bench/ppo_iteration.py --batch 64 --prompt-len 11 --new-tokens 64 --vocab 512 --lora-actor 32 \
               --epochs 2 --minibatch 16 --pack-tokens 1024 --skip-rollout-baselines --skip-eager-learn --out "$OUT/ppo_iteration_match.json" > "$OUT/match_iteration.log" 2>&1
             tail -4 "$OUT/match_iteration.log"
-            timeout 330 python3 bench/ppo_stage_gpu.py --runs 0.3b --iters 8 --out "$OUT/ppo_stage_gpu.json" > "$OUT/match_stage.log" 2>&1; tail -8 "$OUT/match_stage.log" ;;
+            timeout 330 python3 bench/ppo_stage_gpu.py --runs 0.3b --iters 8 --pack-tokens 1024 --out "$OUT/ppo_stage_gpu.json" > "$OUT/match_stage.log" 2>&1; tail -8 "$OUT/match_stage.log" ;;
     grpo) timeout 500 python3 bench/grpo_iteration.py --shape 0.4b --batch 64 --prompt-len 128 --new-tokens 128 --n 8 \
             --out "$OUT/grpo_iteration.json" > "$OUT/grpo_iteration.log" 2>&1; tail -4 "$OUT/grpo_iteration.log"
           rm -rf /tmp/art-grpo; flow grpo_default --set store.uri=file:///tmp/art-grpo --set ppo.advantage=grpo \

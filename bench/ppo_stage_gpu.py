@@ -70,19 +70,21 @@ def random_llama(folder: str, shape: str = "0.4b") -> str:
     return folder
 
 
-def runs(device: str, iters: int | None, big_model: str | None) -> dict[str, tuple]:
+def runs(device: str, iters: int | None, big_model: str | None, pack_tokens: int | None = None) -> dict[str, tuple]:
     """name -> (model, SFTConfig, RewardConfig, PPOConfig)."""
     gpus = 0.25 if device == "cuda" else 0.0
-    roles = {r: {"gpus_per_worker": gpus, "cpus_per_worker": 1.0} for r in ROLES}
+    common = {r: {"gpus_per_worker": gpus, "cpus_per_worker": 1.0} for r in ROLES}
+    if pack_tokens is not None:  # ppo.pack_tokens of every run (None: the config's default)
+        common["pack_tokens"] = pack_tokens
     tiny_iters = iters or 10
     out = {"tiny": (ModelConfig(), SFTConfig(device=device), RewardConfig(device=device),
                     PPOConfig(device=device, colocate=True, num_iterations=tiny_iters, eval_every=tiny_iters,
-                              checkpoint_every=tiny_iters, **roles))}
+                              checkpoint_every=tiny_iters, **common))}
     if big_model is not None:
         big_iters = iters or 4
         big = PPOConfig(device=device, colocate=True, num_iterations=big_iters, eval_every=big_iters,
                         checkpoint_every=big_iters, rollout_batch_size=64, train_batch_size=16, max_new_tokens=64,
-                        eval_prompts=16, actor_lr=1e-5, critic_lr=1e-5, **roles)
+                        eval_prompts=16, actor_lr=1e-5, critic_lr=1e-5, **common)
         model = ModelConfig(pretrain=big_model)
         sft = SFTConfig(device=device, max_steps=30, eval_every=30)
         rm = RewardConfig(device=device, max_steps=30, eval_every=30)
@@ -169,6 +171,7 @@ def main():
     ap.add_argument("--runs", default="tiny,0.3b,0.3b-plain", help="comma-separated: tiny, 0.3b, 0.3b-plain, 0.3b-eager, 0.3b-fsdp, 0.3b-fp32, 0.3b-anomaly")
     ap.add_argument("--iters", type=int, default=None, help="PPO iterations per run (default: tiny 10, 0.3b 4)")
     ap.add_argument("--big-shape", default="0.4b", choices=sorted(SHAPES), help="bench/common.py shape of the 0.3b runs (tiny: smoke run)")
+    ap.add_argument("--pack-tokens", type=int, default=None, help="ppo.pack_tokens of every run (default: the config's)")
     ap.add_argument("--out", default="bench/results/ppo_stage_gpu.json")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -181,7 +184,7 @@ def main():
     ray.init(num_gpus=1 if args.device == "cuda" else 0, num_cpus=8, include_dashboard=False)
     store = ArtifactStore(f"file://{os.path.join(work, 'store')}")
     stats = RoleStats()
-    plan = runs(args.device, args.iters, big)
+    plan = runs(args.device, args.iters, big, args.pack_tokens)
     results = {}
     failed = {}
     for name in names:
