@@ -3,7 +3,8 @@
 Three ways: a hand-computed first-fit packing, invariants over random ragged batches (every real
 token at its place with its position, transformers reading one sequence per row and tail), and
 the real forwards (policy log-probs, entropy and their gradients; critic values; reward scores)
-packed equal to the padded forwards on Llama (RoPE), Qwen2 and GPT-2 (absolute positions)."""
+packed equal to the padded forwards on Llama (RoPE), Qwen2, Mistral, Gemma 2 (sliding-window
+layers, softcapping) and GPT-2 (absolute positions)."""
 
 from __future__ import annotations
 
@@ -75,13 +76,15 @@ def tiny(arch: str, V: int = 64):
     if arch == "gpt2":
         return T.GPT2LMHeadModel(T.GPT2Config(vocab_size=V, n_positions=64, n_embd=32, n_layer=2, n_head=2, initializer_range=0.1,
                                               bos_token_id=0, eos_token_id=0)).eval()
-    cls, cfg = {"llama": (T.LlamaForCausalLM, T.LlamaConfig), "qwen2": (T.Qwen2ForCausalLM, T.Qwen2Config)}[arch]
+    cls, cfg = {"llama": (T.LlamaForCausalLM, T.LlamaConfig), "qwen2": (T.Qwen2ForCausalLM, T.Qwen2Config),
+                "mistral": (T.MistralForCausalLM, T.MistralConfig), "gemma2": (T.Gemma2ForCausalLM, T.Gemma2Config)}[arch]
+    extra = {"head_dim": 8, "sliding_window": 6} if arch == "gemma2" else {}  # a window shorter than the rows: the sliding layers' masks too
     return cls(cfg(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0)).eval()
+                   num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, **extra)).eval()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("arch, attn", [(a, i) for a in ("llama", "qwen2", "mistral", "gpt2") for i in ("sdpa", "eager")]
+                         + [("gemma2", "eager")])  # Gemma 2's logit softcapping: transformers refuses SDPA
 def test_policy_forward_and_gradients_packed_equal_padded(arch, attn):
     model = tiny(arch)
     model.config._attn_implementation = attn
