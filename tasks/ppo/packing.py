@@ -33,7 +33,7 @@ from tasks.ppo.padding import MULTIPLE
 class Packed(NamedTuple):
     input_ids: Tensor     # (R, C) the bins
     position_ids: Tensor  # (R, C) each token's position in its own sequence
-    index: Tensor         # (B, L) long: flat place (into R * C) of each attended token of the batch; -1 elsewhere
+    index: Tensor         # (B, L) long, on the CPU: flat place (into R * C) of each attended token; -1 elsewhere
 
 
 def bins_first_fit(lengths: list[int], capacity: int) -> tuple[list[int], list[int], list[int]]:

@@ -35,6 +35,7 @@ the learners' transformer blocks are ``torch.compile``d.
 
 from __future__ import annotations
 
+import logging
 import random
 from contextlib import contextmanager
 from typing import Callable
@@ -183,6 +184,13 @@ class PolicyWorker(_LearnerMixin, DistributedWorker):
 
         self.ppo, self.pad_id, self.stop_ids = ppo, pad_id, stop_ids
         base = load_causal_lm(model_cfg, self.device)
+        if ppo.pack_tokens and self.rank == 0:
+            from tasks.ppo.generation import packs
+
+            if not packs(base):
+                logging.getLogger("rlhf.ppo").warning(
+                    "ppo.pack_tokens %d: %s (%s) cannot take packed rows (remote code, or no position_ids), so every "
+                    "forward of this run is unpacked", ppo.pack_tokens, type(base).__name__, type(base).__module__)
         adapter = str(store.fetch(sft) / "adapter")
         peft = PeftModel.from_pretrained(base, adapter, is_trainable=True).eval()
         if ppo.reference == "shared":  # the frozen SFT policy for the KL, on the same base (module docstring)
