@@ -297,13 +297,15 @@ def test_fsdp_matches_ddp_on_two_workers(stages, tmp_path):
 @pytest.mark.slow
 def test_packed_forwards_follow_the_unpacked_trajectory(stages, tmp_path):
     """ppo.pack_tokens through the four Ray roles (actor and reference log-probs, critic values and
-    learning, reward scores on packed rows): two iterations and the eval follow the unpacked run's
-    numbers and end at the same adapter, up to summation order."""
+    learning, reward scores on packed rows), packed under FSDP2 on two workers per learner (the LM
+    head's gather hook inside a sharded model) against unpacked DDP on two: two iterations and the
+    eval follow the same numbers and end at the same adapter, up to summation order."""
     _, _, data, sft, rm = stages
     runs = {}
-    for pack_tokens in (0, 48):
+    for pack_tokens, strategy in ((0, "ddp"), (48, "fsdp")):
         store = copy_store(stages, tmp_path / str(pack_tokens))
-        cfg = PPOConfig(num_iterations=2, rollout_batch_size=16, train_batch_size=4, eval_prompts=9, pack_tokens=pack_tokens)
+        cfg = PPOConfig(num_iterations=2, rollout_batch_size=16, train_batch_size=4, eval_prompts=9, pack_tokens=pack_tokens,
+                        strategy=strategy, actor={"num_workers": 2}, critic={"num_workers": 2})
         ref = train_ppo(cfg, MODEL, store, data, sft, rm, SEED)
         runs[pack_tokens] = (history(store, ref.key), adapter_weights(store, ref.key))
     (h0, w0), (h, w) = runs[0], runs[48]
