@@ -37,8 +37,8 @@ from bench.common import (H200_BF16_DENSE_TFLOPS, VOCAB, build_policy, build_val
 from tasks.ppo.fast_generate import FastGenerator  # noqa: E402
 from tasks.ppo.generation import action_logprobs, generate  # noqa: E402
 from tasks.ppo.group import compile_blocks  # noqa: E402
-from tasks.ppo.roles import _Values, score_rows  # noqa: E402
 from tasks.ppo.losses import gae, kl_k1, masked_whiten, ppo_clip_loss, token_rewards, value_loss  # noqa: E402
+from tasks.ppo.roles import _Values, score_rows  # noqa: E402
 
 PAD = 0
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: a smoke run of the script only

@@ -17,8 +17,10 @@ off) and ordered by ``length_order`` (on), unpacked, and with the rows' real tok
 bins of C columns (``ppo.pack_tokens``, tasks/ppo/packing.py): ``--variants``. Reported: seconds per epoch, the columns computed
 against the real tokens, **useful-token MFU** (the FLOPs of the real tokens only, over the time,
 against the 989 TFLOP/s datasheet peak) and the MFU of the tokens computed (padding included).
-``--profile`` then splits one bucketed epoch into forward / backward / optimizer step (synchronised
-between them) and lists the ops with the most device time (torch.profiler): where an epoch goes.
+``--profile`` then splits one epoch of the fastest variant into forward / backward / optimizer step
+(synchronised between them) and runs it and the ``--profile-variants`` under torch.profiler: the
+device's kernel time against the wall time, by kind (GEMM, attention, optimizer, fused
+elementwise, copies), and the ops with the most device time: where an epoch goes.
 """
 
 from __future__ import annotations
@@ -89,9 +91,10 @@ def epoch(policy, critic, opt, exp: dict, order: torch.Tensor, mb: int, N: int, 
             opt.zero_grad(set_to_none=True)
 
 
-def top_ops(fn, n: int = 15) -> list[dict]:
-    """``fn()`` once under torch.profiler: the ``n`` ops with the most self time on the device
-    (CUDA kernels on a GPU, CPU ops on CPU), with their share of the total."""
+def top_ops(fn, n: int = 15) -> dict:
+    """``fn()`` once under torch.profiler: its wall time, the device kernels' time (total, its share
+    of the wall, by kind; on CUDA) and the ``n`` ops with the most self time on the device (CUDA
+    kernels on a GPU, CPU ops on CPU), with their share of the total."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEV == "cuda" else [])
@@ -155,8 +158,8 @@ def main() -> None:
                     help="rollout_order / bucket_by_length: unpacked, minibatches in rollout order / by length_order; "
                     "packedC: rows packed into bins of C columns (ppo.pack_tokens C), rollout order; packedC_bucket: by length_order")
     ap.add_argument("--profile-variants", default="rollout_order,packed1024", help="with --profile: these variants too")
-    ap.add_argument("--profile", action="store_true", help="then one bucketed epoch with its phases timed apart, and one under "
-                    "torch.profiler (the ops with the most device time): where the time of an epoch goes")
+    ap.add_argument("--profile", action="store_true", help="then one epoch of the fastest variant with its phases timed apart, and "
+                    "it and --profile-variants under torch.profiler (kernel time by kind against the wall): where the time of an epoch goes")
     a = ap.parse_args()
     B, P, N, mb = a.batch, a.prompt_len, a.new_tokens, a.minibatch
     torch.backends.cuda.matmul.allow_tf32 = True

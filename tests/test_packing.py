@@ -11,19 +11,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tasks.ppo.generation import Rollout, action_logprobs, forward_actions, packs, position_ids_from_mask
+from tasks.ppo.generation import action_logprobs, forward_actions, packs, position_ids_from_mask
 from tasks.ppo.packing import action_positions, bins_first_fit, head_on, pack, unpack
+from tests.test_padding import rollout_chunk
 
 
 def ragged(B: int, P: int, N: int, V: int, seed: int, min_resp: int = 1):
     """Left-padded prompts of 1..P tokens, responses of min_resp..N: a Rollout."""
     g = torch.Generator().manual_seed(seed)
-    plen = torch.randint(1, P + 1, (B,), generator=g)
-    rlen = torch.randint(min_resp, N + 1, (B,), generator=g)
-    cols = torch.arange(P + N)[None]
-    attn = ((cols >= P - plen[:, None]) & (cols < P + rlen[:, None])).long()
-    seqs = torch.randint(1, V, (B, P + N), generator=g).masked_fill(attn == 0, 0)
-    return Rollout(seqs, attn, attn[:, P:].float(), rlen < N)
+    plen, rlen = torch.randint(1, P + 1, (B,), generator=g), torch.randint(min_resp, N + 1, (B,), generator=g)
+    return rollout_chunk(P, N, plen.tolist(), rlen.tolist(), V, seed)
 
 
 def test_first_fit_decreasing_by_hand():

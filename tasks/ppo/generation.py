@@ -19,6 +19,7 @@ the sampled tokens, never from comparing ids to ``pad_token_id``, which may itse
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Callable, NamedTuple, Sequence
 
@@ -91,9 +92,15 @@ def _unwrap(model):
             return model
 
 
+@functools.cache
+def _forward_params(cls: type) -> frozenset[str]:
+    """The argument names of a model class's forward: asked on every forward, inspected once a class."""
+    return frozenset(inspect.signature(cls.forward).parameters)
+
+
 def _cache_kwarg(model) -> str:
     # transformers 5.x renamed forward's ``past_key_values`` to ``cache`` (old name deprecated)
-    params = inspect.signature(_unwrap(model).forward).parameters
+    params = _forward_params(type(_unwrap(model)))
     return "cache" if "cache" in params or "past_key_values" not in params else "past_key_values"
 
 
@@ -167,14 +174,17 @@ def packs(model) -> bool:
     """Whether ``model``'s forward honours packed sequences (tasks/ppo/packing.py): a transformers
     model (its masks come from ``masking_utils``, which reads sequence starts from the position
     ids) that takes ``position_ids``. Remote code and position-free models (bloom's alibi) run padded."""
-    base = _unwrap(model)
-    return type(base).__module__.startswith("transformers.models.") and "position_ids" in inspect.signature(base.forward).parameters
+    cls = type(_unwrap(model))
+    return cls.__module__.startswith("transformers.models.") and "position_ids" in _forward_params(cls)
 
 
-def _per_action(fn: Callable, logits: Tensor, *rest: Tensor, rows: int = 1024) -> Tensor:
-    """``fn`` (a (1, k, V) -> (1, k) loss helper) over (K, V) logits in pieces of ``rows``, -> (K,)."""
-    return torch.cat([fn(lg[None], *(r[None] for r in rs))[0]
-                      for lg, *rs in zip(logits.split(rows), *(r.split(rows) for r in rest))])
+def _per_position(fn: Callable, logits: Tensor, *rest: Tensor, rows: int = 1024) -> Tensor:
+    """``fn`` (a (1, k, V) -> (1, k) helper of tasks/ppo/losses.py) over ``logits`` (..., V) and
+    ``rest`` (...) in pieces of ``rows`` positions, -> (...): each piece's (k, V) temporaries
+    (log-softmax, softmax) stay small however many positions a forward scores."""
+    flat, rest = logits.reshape(-1, logits.shape[-1]), [r.reshape(-1) for r in rest]
+    out = torch.cat([fn(lg[None], *(r[None] for r in rs))[0] for lg, *rs in zip(flat.split(rows), *(r.split(rows) for r in rest))])
+    return out.view(logits.shape[:-1])
 
 
 def _action_logits(model, sequences: Tensor, attention_mask: Tensor, num_actions: int, temperature: float,
@@ -211,7 +221,7 @@ def _action_logits(model, sequences: Tensor, attention_mask: Tensor, num_actions
     n = span.actions
     # position t's logits predict token t+1: the n actions are predicted by positions -n-1 .. -2,
     # so only those n+1 positions go through the LM head (``logits_to_keep``; the prompt's do not)
-    kw = {"logits_to_keep": n + 1} if "logits_to_keep" in inspect.signature(_unwrap(model).forward).parameters else {}
+    kw = {"logits_to_keep": n + 1} if "logits_to_keep" in _forward_params(type(_unwrap(model))) else {}
     out = model(input_ids=sequences, attention_mask=attention_mask,
                 position_ids=position_ids_from_mask(attention_mask), use_cache=False, **kw)
     return out.logits[:, -n - 1 : -1, :].float() / temperature, sequences[:, -n:], lambda x: pad_actions(x, span)
@@ -229,16 +239,11 @@ def action_logprobs(model, sequences: Tensor, attention_mask: Tensor, num_action
     (``eval()`` or dropout 0 in the config; a fresh ``get_peft_model`` is in train mode).
     """
     logits, actions, restore = _action_logits(model, sequences, attention_mask, num_actions, temperature, pack_tokens, device)
-    if logits.dim() == 2:
-        return restore(_per_action(logprobs_from_logits, logits, actions))
-    return restore(logprobs_from_logits(logits, actions))
+    return restore(_per_position(logprobs_from_logits, logits, actions))
 
 
 def forward_actions(model, sequences: Tensor, attention_mask: Tensor, num_actions: int, temperature: float = 1.0,
                     pack_tokens: int = 0, device: torch.device | str | None = None) -> tuple[Tensor, Tensor]:
     """``action_logprobs`` plus the entropy of each action's distribution: ((B, N), (B, N))."""
     logits, actions, restore = _action_logits(model, sequences, attention_mask, num_actions, temperature, pack_tokens, device)
-    if logits.dim() == 2:
-        return (restore(_per_action(logprobs_from_logits, logits, actions)),
-                restore(_per_action(entropy_from_logits, logits)))
-    return restore(logprobs_from_logits(logits, actions)), restore(entropy_from_logits(logits))
+    return restore(_per_position(logprobs_from_logits, logits, actions)), restore(_per_position(entropy_from_logits, logits))

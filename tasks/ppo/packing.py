@@ -71,7 +71,7 @@ def bin_width(lengths: list[int], capacity: int, multiple: int = MULTIPLE) -> tu
     return C, best
 
 
-def pack(sequences: Tensor, attention_mask: Tensor, capacity: int, pad_id: int = 0, multiple: int = MULTIPLE,
+def pack(sequences: Tensor, attention_mask: Tensor, capacity: int, multiple: int = MULTIPLE,
          device: torch.device | str | None = None) -> Packed:
     """The attended tokens of ``sequences`` (B, L) (``attention_mask`` 1, one contiguous run a row)
     in bins of C <= ``capacity`` columns (``bin_width``; the longest row's, rounded up to
@@ -95,7 +95,7 @@ def pack(sequences: Tensor, attention_mask: Tensor, capacity: int, pad_id: int =
     position_ids[flat], source[flat] = pos[mask], mask.flatten().nonzero().squeeze(1)
     source = source.to(dev, non_blocking=True)
     tokens = sequences.to(dev, non_blocking=True).flatten()[source.clamp_min(0)]
-    input_ids = torch.where(source >= 0, tokens, pad_id)
+    input_ids = torch.where(source >= 0, tokens, 0)  # a bin's tail: id 0, read by nobody
     return Packed(input_ids.view(R, C), position_ids.view(R, C).to(dev, non_blocking=True), index)
 
 

@@ -51,8 +51,8 @@ from tasks.ppo.experience import NONFINITE_ADVICE, Experience
 from tasks.ppo.fast_generate import fast_generate_applies
 from tasks.ppo.group import (DistributedWorker, agree_finished, as_returns, compile_blocks, full_state, load_full_state, load_trainable,
                              plain_copy, prime_cpu_adam, wants_compile, wrap_learner)
-from tasks.ppo.padding import attended_span, cut, logit_rows, pad_actions, score_together
 from tasks.ppo.packing import action_positions, pack, unpack
+from tasks.ppo.padding import attended_span, cut, logit_rows, pad_actions, score_together
 
 
 def _chunks(rollout, n: int):
