@@ -22,8 +22,15 @@ SHAPES = {
     "1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=18, num_attention_heads=16, num_key_value_heads=16),
     # Qwen2-1.5B's body as a Llama (bench/gpu_shapes.py's 1.5b, with this file's vocabulary)
     "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2),
+    # Llama-3-8B's body (bench/gpu_shapes.py's 8b); its 128k vocabulary is the default of ``shape_vocab``
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8),
 }
 VOCAB = 32000
+SHAPE_VOCAB = {"8b": 128256}  # a shape's own vocabulary where it is not VOCAB
+
+
+def shape_vocab(shape: str) -> int:
+    return SHAPE_VOCAB.get(shape, VOCAB)
 H200_BF16_DENSE_TFLOPS = 989.0  # datasheet, dense (no sparsity)
 
 
@@ -81,18 +88,34 @@ def build_value_model(shape: str, device: str, dtype=torch.float32, seed: int = 
         return RewardModel(LlamaModel(llama_config(shape, vocab=vocab))).to(dtype)
 
 
+def lora_value_model(shape: str, device: str, rank: int, seed: int = 1, vocab: int = VOCAB):
+    """The critic of ``ppo.critic_lora_rank`` (tasks/ppo/roles.py CriticWorker): a frozen bf16 body
+    under a LoRA adapter on every linear layer, fp32 adapter, trainable fp32 value head."""
+    from peft import LoraConfig, get_peft_model
+
+    rm = build_value_model(shape, device, seed=seed, vocab=vocab).requires_grad_(False)
+    rm.body.to(torch.bfloat16)
+    rm.body = get_peft_model(rm.body, LoraConfig(r=rank, lora_alpha=32, target_modules="all-linear", task_type="FEATURE_EXTRACTION"),
+                             autocast_adapter_dtype=True)
+    rm.head.requires_grad_(True)
+    return rm
+
+
 def n_params(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def train_flops(cfg, tokens: int, seq_len: int, head_tokens: int, head_out: int) -> float:
+def train_flops(cfg, tokens: int, seq_len: int, head_tokens: int, head_out: int, frozen: bool = False) -> float:
     """Forward + backward FLOPs (PaLM appendix B): 6 N T for the matmuls of the blocks,
     12 * layers * d * L per token for attention (no causal discount), and 6 * d * head_out per
-    token that goes through the output head (only response positions do)."""
+    token that goes through the output head (only response positions do). ``frozen``: a frozen
+    base under LoRA adapters computes no weight gradients, so its matmuls count 4 N T (forward and
+    the input gradients; the adapters' own FLOPs, < 1% at rank 32, are not counted)."""
     d, L = cfg.hidden_size, cfg.num_hidden_layers
     kv = cfg.num_key_value_heads * (d // cfg.num_attention_heads)
     block = L * (2 * d * d + 2 * d * kv + 3 * d * cfg.intermediate_size)
-    return 6 * block * tokens + 12 * L * d * seq_len * tokens + 6 * d * head_out * head_tokens
+    mm = 4 if frozen else 6
+    return mm * block * tokens + 12 * L * d * seq_len * tokens + mm * d * head_out * head_tokens
 
 
 def sync():

@@ -7,6 +7,7 @@
 #   bash bench/gpu_run.sh decode                      # issue 18: the split-K Triton decode attention (tests natively; 0.4B decode step beside SDPA)
 #   bash bench/gpu_run.sh default triton              # issue 18: the embedded default flow, then again with ppo.decode_attention=triton
 #   bash bench/gpu_run.sh mfu                         # issue 18: useful-token MFU of the learn phase on ragged rollouts, 0.4B and 1.5B
+#   bash bench/gpu_run.sh parts                       # issue 18: the decode step's parts (GEMMs, attention launch settings, step variants)
 #   bash bench/gpu_run.sh nan stage                   # issue 18: which forward turns NaN on the GPU (bench/nan_probe.py); the
 #                                                     # 0.3b stage (fast and plain rollouts), stopping at the first non-finite number
 # grpo = bench/grpo_iteration.py (GRPO n=8 vs PPO, 0.4B shape) and the embedded default with GRPO and the rule as reward.
@@ -34,12 +35,15 @@ for step in "$@"; do
            grep -E "FloatingPointError|not finite|gradient norm|loss is|anomaly|Error detected in|returned nan" "$OUT/stage.log" | cut -c1-1200 | sort | uniq -c | head; tail -8 "$OUT/stage.log" ;;
     attn) timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_attention_backward.py > "$OUT/attn_test.log" 2>&1; tail -3 "$OUT/attn_test.log"
           timeout 120 python3 bench/cudnn_attention_nan.py --out "$OUT/cudnn_attention_nan.json" > "$OUT/cudnn_attention_nan.log" 2>&1; tail -13 "$OUT/cudnn_attention_nan.log" ;;
-    mfu) for sh in 0.4b 1.5b; do timeout 280 python3 bench/useful_mfu.py --shape "$sh" ${MFU_ARGS:---profile} --out "$OUT/useful_mfu_$sh.json" > "$OUT/mfu_$sh.log" 2>&1
+    parts) for sh in ${PARTS_SHAPES:-0.4b}; do timeout ${PARTS_TIMEOUT:-420} python3 bench/decode_parts.py --shape "$sh" ${PARTS_ARGS:-} \
+             --out "$OUT/decode_parts_$sh.json" > "$OUT/decode_parts_$sh.log" 2>&1; grep -vE "^ +[0-9]" "$OUT/decode_parts_$sh.log" | tail -40; done ;;
+    mfu) for sh in ${MFU_SHAPES:-0.4b 1.5b}; do timeout 280 python3 bench/useful_mfu.py --shape "$sh" ${MFU_ARGS:---profile} --out "$OUT/useful_mfu_$sh.json" > "$OUT/mfu_$sh.log" 2>&1
            tail -14 "$OUT/mfu_$sh.log"; done ;;
     decode) timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_decode_attention.py > "$OUT/decode_test.log" 2>&1; tail -3 "$OUT/decode_test.log"
             timeout 300 python3 bench/ppo_iteration.py --shape 0.4b --attention sdpa,triton --skip-rollout-baselines --skip-eager-learn \
               --out "$OUT/decode_attention_0.4b.json" > "$OUT/decode_attention.log" 2>&1; grep -E "^attention|decode step|Error" "$OUT/decode_attention.log" | head ;;
-    rollout) timeout 300 python3 bench/rollout_realistic.py --attention sdpa,triton --out "$OUT/rollout_realistic.json" > "$OUT/rollout.log" 2>&1; tail -12 "$OUT/rollout.log" ;;
+    rollout) for sh in ${ROLLOUT_SHAPES:-0.4b}; do timeout 300 python3 bench/rollout_realistic.py --shape "$sh" --attention ${ROLLOUT_ATTENTION:-sdpa,triton} \
+               --out "$OUT/rollout_realistic_$sh.json" > "$OUT/rollout_$sh.log" 2>&1; tail -12 "$OUT/rollout_$sh.log"; done ;;
     match)  # issue 18: the PPO stage and the in-process iteration on one workload (bench/ppo_stage_gpu.py's 0.3b run)
             timeout 240 python3 bench/ppo_iteration.py --batch 64 --prompt-len 11 --new-tokens 64 --vocab 512 --lora-actor 32 \
               --epochs 2 --minibatch 16 --pack-tokens 1024 --skip-rollout-baselines --skip-eager-learn --out "$OUT/ppo_iteration_match.json" > "$OUT/match_iteration.log" 2>&1

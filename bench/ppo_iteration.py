@@ -31,8 +31,8 @@ from functools import partial
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import (H200_BF16_DENSE_TFLOPS, VOCAB, build_policy, build_value_model, copy_gbps,  # noqa: E402
-                          machine, matmul_tflops, n_params, peak_gib, profile_top, reset_peak, sync, timed,
+from bench.common import (H200_BF16_DENSE_TFLOPS, build_policy, build_value_model, copy_gbps,  # noqa: E402
+                          machine, matmul_tflops, n_params, peak_gib, profile_top, reset_peak, shape_vocab, sync, timed,
                           train_flops, workload_args, write_json)
 from tasks.ppo.fast_generate import FastGenerator  # noqa: E402
 from tasks.ppo.generation import action_logprobs, generate  # noqa: E402
@@ -245,7 +245,7 @@ def main() -> None:
     ap.add_argument("--skip-eager-learn", action="store_true")
     ap.add_argument("--profile", action="store_true", help="also record the top GPU kernels of a decode step and a learn step")
     ap.add_argument("--profile-rows", type=int, default=12)
-    ap.add_argument("--vocab", type=int, default=VOCAB, help="vocabulary size of the random models (the PPO stage bench's built-in tokenizer: 512)")
+    ap.add_argument("--vocab", type=int, default=None, help="vocabulary size of the random models (default: the shape's, bench/common.py; the PPO stage bench's built-in tokenizer: 512)")
     ap.add_argument("--lora-actor", type=int, default=0, help="rank of a LoRA actor (bf16 base, fp32 adapter on every linear layer, as the PPO stage's actor); 0: a full fp32-master policy")
     ap.add_argument("--epochs", type=int, default=1, help="PPO epochs over each rollout in the iteration")
     ap.add_argument("--minibatch", type=int, default=None, help="rows per optimizer step in the iteration (default: the whole batch)")
@@ -253,6 +253,7 @@ def main() -> None:
                     "comma-separated FastGenerator attention= values (e.g. sdpa,triton)")
     ap.add_argument("--pack-tokens", type=int, default=0, help="ppo.pack_tokens of the learn and scoring forwards (0: unpacked, the attended columns)")
     a = ap.parse_args()
+    a.vocab = a.vocab or shape_vocab(a.shape)
     global PACK
     PACK = a.pack_tokens
     a.attention = [v.strip() for v in a.attention.split(",") if v.strip()]

@@ -7,7 +7,8 @@ Cases, each on the same bf16 random-weight Llama, FastGenerator (CUDA graph deco
 
 - ``fixed``: every row makes ``new_tokens`` tokens (no stop token can be hit), full-length prompts.
 - ``eos``: ``--stop-ids`` token ids stop a row (a random model picks one with probability
-  ~stop_ids / vocab a step, so rows end at many lengths; 400 of 32000 ends ~86% of 128-token rows);
+  ~stop_ids / vocab a step, so rows end at many lengths; 400 of 32000, the default of vocab / 80, ends ~86% of
+  128-token rows);
   the rollout stops when every row has stopped.
 - ``mixed_prompts``: prompts of uniformly random lengths in [prompt_len / 4, prompt_len], left-padded.
 - ``top_p_top_k``: ``eos`` with top-k 50 and top-p 0.9 sampling.
@@ -27,15 +28,15 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import VOCAB, build_policy, machine, sync, workload_args, write_json  # noqa: E402
+from bench.common import build_policy, machine, shape_vocab, sync, workload_args, write_json  # noqa: E402
 from tasks.ppo.fast_generate import FastGenerator  # noqa: E402
 
 PAD = 0
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: a smoke run of the script only
 
 
-def prompts_for(B: int, P: int, mixed: bool, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.randint(4, VOCAB, (B, P), device=DEV, generator=g)
+def prompts_for(B: int, P: int, vocab: int, mixed: bool, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(4, vocab, (B, P), device=DEV, generator=g)
     attn = torch.ones_like(ids)
     if mixed:
         lengths = torch.randint(max(1, P // 4), P + 1, (B,), device=DEV, generator=g)
@@ -83,21 +84,22 @@ def run_case(fgs: dict, model, ids, attn, N, stops, top_k, top_p, reps) -> dict:
 
 def main() -> None:
     ap = workload_args(__doc__.splitlines()[0])
-    ap.add_argument("--stop-ids", type=int, default=400, help="how many token ids stop a row in the eos cases")
+    ap.add_argument("--stop-ids", type=int, default=None, help="how many token ids stop a row in the eos cases (default: vocab / 80)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--attention", default="sdpa", help="FastGenerator's decode attention(s), comma-separated: sdpa, triton")
     a = ap.parse_args()
-    B, P, N = a.batch, a.prompt_len, a.new_tokens
-    model = build_policy(a.shape, DEV, torch.bfloat16).eval()
+    B, P, N, V = a.batch, a.prompt_len, a.new_tokens, shape_vocab(a.shape)
+    model = build_policy(a.shape, DEV, torch.bfloat16, vocab=V).eval()
     fgs = {att: FastGenerator(model, max_batch=B, max_len=P + N, dtype=torch.bfloat16, attention=att) for att in a.attention.split(",")}
     g = torch.Generator(device=DEV).manual_seed(0)
-    stops = torch.randperm(VOCAB - 4, generator=torch.Generator().manual_seed(1))[: a.stop_ids].add(4).tolist()
+    a.stop_ids = a.stop_ids or V // 80
+    stops = torch.randperm(V - 4, generator=torch.Generator().manual_seed(1))[: a.stop_ids].add(4).tolist()
     cases = {"fixed": (False, [-1], 0, 1.0), "eos": (False, stops, 0, 1.0), "mixed_prompts": (True, [-1], 0, 1.0),
              "top_p_top_k": (False, stops, 50, 0.9), "realistic": (True, stops, 50, 0.9)}
     res = {"machine": machine(), "command": " ".join(sys.argv), "shape": a.shape, "batch": B, "prompt_len": P, "new_tokens": N,
            "stop_ids": a.stop_ids, "attention": list(fgs), "cases": {}}
     for name, (mixed, st, k, p) in cases.items():
-        ids, attn = prompts_for(B, P, mixed, g)
+        ids, attn = prompts_for(B, P, V, mixed, g)
         res["cases"][name] = c = run_case(fgs, model, ids, attn, N, st, k, p, a.reps)
         for att in fgs:
             f = c[f"fast_{att}"]

@@ -26,7 +26,6 @@ elementwise, copies), and the ops with the most device time: where an epoch goes
 from __future__ import annotations
 
 import contextlib
-import copy
 import os
 import statistics
 import sys
@@ -35,8 +34,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import (H200_BF16_DENSE_TFLOPS, VOCAB, build_policy, build_value_model, llama_config,  # noqa: E402
-                          machine, matmul_tflops, n_params, peak_gib, reset_peak, sync, timed, train_flops, workload_args,
+from bench.common import (H200_BF16_DENSE_TFLOPS, build_policy, build_value_model, llama_config, lora_value_model,  # noqa: E402
+                          machine, matmul_tflops, n_params, peak_gib, reset_peak, shape_vocab, sync, timed, train_flops, workload_args,
                           write_json)
 from tasks.ppo.generation import action_logprobs  # noqa: E402
 from tasks.ppo.group import compile_blocks  # noqa: E402
@@ -123,27 +122,57 @@ def top_ops(fn, n: int = 15) -> dict:
             "kernel_ms_by_kind": {k: round(v, 1) for k, v in by_kind.items()}, "top_ops": top}
 
 
-def work(cfg, exp: dict, order: torch.Tensor, mb: int, N: int, pack_tokens: int = 0) -> dict:
+def host_syncs(fn) -> list[dict]:
+    """Where ``fn()`` makes the host wait for the GPU (CUDA): torch's sync debug mode warns at every
+    synchronising op; each distinct call site (the innermost frames outside torch) with its count."""
+    import traceback
+    import warnings
+
+    sites: dict[str, int] = {}
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename and "warnings.py" not in f.filename]
+        site = " <- ".join(f"{os.path.relpath(f.filename)}:{f.lineno} {f.name}" for f in frames[-3:][::-1])
+        sites[site] = sites.get(site, 0) + 1
+
+    sync()
+    old = warnings.showwarning
+    warnings.showwarning = record
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        warnings.showwarning = old
+    return [{"site": k, "count": v} for k, v in sorted(sites.items(), key=lambda kv: -kv[1])]
+
+
+def work(cfg, exp: dict, order: torch.Tensor, mb: int, N: int, pack_tokens: int = 0, lora_actor: bool = False,
+         lora_critic: bool = False) -> dict:
     """Tokens and FLOPs of one epoch: real ones, and those the cut (or packed) minibatches compute
-    (a packed bin attends over all its C columns: SDPA's masked kernels skip no block)."""
+    (a packed bin attends over all its C columns: SDPA's masked kernels skip no block); a LoRA
+    model's frozen base counts no weight gradients (``train_flops``)."""
     real_tokens = int(exp["attn"].sum())
     real_len = real_tokens / len(exp["attn"])
     real_actions = int(exp["amask"].sum())
-    useful = (train_flops(cfg, real_tokens, real_len, real_actions + len(exp["attn"]), cfg.vocab_size)
-              + train_flops(cfg, real_tokens, real_len, real_tokens, 1))
+    useful = (train_flops(cfg, real_tokens, real_len, real_actions + len(exp["attn"]), cfg.vocab_size, lora_actor)
+              + train_flops(cfg, real_tokens, real_len, real_tokens, 1, lora_critic))
     computed_tokens, computed = 0, 0.0
     for rows in order.split(mb):
         if pack_tokens:
             R, C = pack(exp["seqs_cpu"][rows], exp["attn_cpu"][rows], pack_tokens).input_ids.shape
             t, k = R * C, int(exp["amask"][rows].sum())
             computed_tokens += t
-            computed += train_flops(cfg, t, C, k, cfg.vocab_size) + train_flops(cfg, t, C, t, 1)
+            computed += train_flops(cfg, t, C, k, cfg.vocab_size, lora_actor) + train_flops(cfg, t, C, t, 1, lora_critic)
             continue
         s = attended_span(exp["attn_cpu"][rows], N)
         t = len(rows) * (s.stop - s.start)
         computed_tokens += t
-        computed += (train_flops(cfg, t, s.stop - s.start, len(rows) * (s.actions + 1), cfg.vocab_size)
-                     + train_flops(cfg, t, s.stop - s.start, t, 1))
+        computed += (train_flops(cfg, t, s.stop - s.start, len(rows) * (s.actions + 1), cfg.vocab_size, lora_actor)
+                     + train_flops(cfg, t, s.stop - s.start, t, 1, lora_critic))
     return {"real_tokens": real_tokens, "computed_tokens": computed_tokens, "all_tokens": int(exp["attn"].numel()),
             "useful_flops": useful, "computed_flops": computed}
 
@@ -152,28 +181,32 @@ def main() -> None:
     ap = workload_args(__doc__.splitlines()[0])
     ap.add_argument("--minibatch", type=int, default=16)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--vocab", type=int, default=VOCAB)
+    ap.add_argument("--vocab", type=int, default=None)
     ap.add_argument("--lora-actor", type=int, default=0, help="rank of a LoRA actor on a bf16 base (the stage's actor); 0: a full fp32-master policy")
+    ap.add_argument("--lora-critic", type=int, default=0, help="rank of a LoRA critic on a frozen bf16 body (ppo.critic_lora_rank); 0: full fp32-master")
     ap.add_argument("--variants", default="rollout_order,bucket_by_length,packed256,packed512,packed1024,packed512_bucket",
                     help="rollout_order / bucket_by_length: unpacked, minibatches in rollout order / by length_order; "
                     "packedC: rows packed into bins of C columns (ppo.pack_tokens C), rollout order; packedC_bucket: by length_order")
     ap.add_argument("--profile-variants", default="rollout_order,packed1024", help="with --profile: these variants too")
+    ap.add_argument("--sync-debug", action="store_true", help="then one epoch of each variant with torch's CUDA sync debug mode: "
+                    "every place the host waits for the GPU, by call site")
     ap.add_argument("--profile", action="store_true", help="then one epoch of the fastest variant with its phases timed apart, and "
                     "it and --profile-variants under torch.profiler (kernel time by kind against the wall): where the time of an epoch goes")
     a = ap.parse_args()
+    a.vocab = a.vocab or shape_vocab(a.shape)
     B, P, N, mb = a.batch, a.prompt_len, a.new_tokens, a.minibatch
     torch.backends.cuda.matmul.allow_tf32 = True
     res = {"machine": machine(), "command": " ".join(sys.argv), "shape": a.shape, "batch": B, "prompt_len": P,
-           "new_tokens": N, "minibatch": mb, "vocab": a.vocab, "lora_actor": a.lora_actor,
+           "new_tokens": N, "minibatch": mb, "vocab": a.vocab, "lora_actor": a.lora_actor, "lora_critic": a.lora_critic,
            "matmul_bf16_tflops_measured": matmul_tflops() if DEV == "cuda" else float("nan"),
            "peak_tflops_datasheet": H200_BF16_DENSE_TFLOPS, "variants": {}}
-    policy = build_policy(a.shape, DEV, vocab=a.vocab)
+    policy = build_policy(a.shape, DEV, torch.bfloat16 if a.lora_actor else torch.float32, vocab=a.vocab)
     if a.lora_actor:
         from peft import LoraConfig, get_peft_model
 
-        policy = get_peft_model(copy.deepcopy(policy).to(torch.bfloat16), LoraConfig(r=a.lora_actor, lora_alpha=32, target_modules="all-linear"),
-                                autocast_adapter_dtype=True)
-    critic = _Values(build_value_model(a.shape, DEV, seed=1, vocab=a.vocab))
+        policy = get_peft_model(policy, LoraConfig(r=a.lora_actor, lora_alpha=32, target_modules="all-linear"), autocast_adapter_dtype=True)
+    critic = _Values(lora_value_model(a.shape, DEV, a.lora_critic, seed=1, vocab=a.vocab) if a.lora_critic
+                     else build_value_model(a.shape, DEV, seed=1, vocab=a.vocab))
     res["params"] = n_params(policy)
     if DEV == "cuda":
         compile_blocks(policy)
@@ -200,7 +233,7 @@ def main() -> None:
                 epoch(policy, critic, opt, exp, order, mb, N, pack_tokens=pk)
             ts.append(t["s"])
         s = statistics.median(ts)
-        w = work(cfg, exp, order, mb, N, pk)
+        w = work(cfg, exp, order, mb, N, pk, bool(a.lora_actor), bool(a.lora_critic))
         peak = H200_BF16_DENSE_TFLOPS * 1e12
         res["variants"][name] = {**w, "s": s, "s_all": ts, "first_s": t["first_s"], "peak_gib": peak_gib(),
                                  "useful_mfu": w["useful_flops"] / s / peak, "computed_mfu": w["computed_flops"] / s / peak,
@@ -209,6 +242,18 @@ def main() -> None:
         print(f"{name}: {s * 1e3:.0f} ms/epoch (first {t['first_s']:.1f} s), computed {w['computed_tokens']} of "
               f"{w['all_tokens']} token slots for {w['real_tokens']} real tokens; useful MFU {100 * v['useful_mfu']:.1f}%, "
               f"computed MFU {100 * v['computed_mfu']:.1f}%, {v['real_tokens_per_s']:.0f} real tokens/s", flush=True)
+    if a.sync_debug and DEV == "cuda":
+        res["host_syncs"] = {}
+        for name, (order, pk) in variants.items():
+            try:
+                sites = res["host_syncs"][name] = host_syncs(lambda: epoch(policy, critic, opt, exp, order, mb, N, pack_tokens=pk))
+            except Exception as e:  # a diagnosis: record why it could not run, keep the numbers above
+                res["host_syncs"][name] = f"{type(e).__name__}: {e}"
+                print(f"{name}: host syncs not found: {e}", flush=True)
+                continue
+            print(f"{name}: {sum(x['count'] for x in sites)} host syncs in one epoch", flush=True)
+            for x in sites[:12]:
+                print(f"  x{x['count']:<4} {x['site'][:300]}", flush=True)
     if a.profile:  # the fastest variant, already warm
         best = min(res["variants"], key=lambda k: res["variants"][k]["s"])
         order, pk = variants[best]

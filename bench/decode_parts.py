@@ -1,0 +1,248 @@
+"""Where FastGenerator's decode step goes, part by part, and the variants that could cut it (issue 18).
+
+    python3 bench/decode_parts.py --shape 0.4b --batch 64 --prompt-len 128 --new-tokens 128 --out decode_parts.json
+    python3 bench/decode_parts.py --shape tiny --batch 4 --prompt-len 8 --new-tokens 8   # CPU: a smoke run
+
+One bf16 random-weight Llama of ``--shape``, one process, side by side:
+
+- **GEMMs**: each of a layer's four matmuls (packed q/k/v, o, packed gate/up, down) and the LM
+  head at M = batch, as cuBLAS runs them (``F.linear``) and as Inductor's max-autotune picks
+  (its Triton templates against cuBLAS), each timed inside a CUDA graph of back-to-back calls
+  (the decode graph's situation): us per call and the weight bytes read per second.
+- **Attention**: the split-K Triton kernel (tasks/ppo/decode_attention.py) over launch settings
+  (columns per tile, warps, pipeline stages, scores by ``tl.dot`` or broadcast products) and SDPA,
+  at mid-rollout (the prompt and half the response visible): us per call against the visible
+  K/V bytes.
+- **Whole steps** (``--steps``): FastGenerator's graph-replayed decode step for the decode
+  attention and compile variants, against the step's memory floor, and the kernels of one eager
+  step of each (profiler) at mid-rollout.
+
+Numbers go to ``--out`` (JSON) and the log.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.common import build_policy, copy_gbps, machine, profile_top, shape_vocab, sync, workload_args, write_json  # noqa: E402
+from tasks.ppo.fast_generate import FastGenerator, _layer  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+PAD = 0
+
+
+def per_call_us(fn, calls: int = 24, reps: int = 20) -> float:
+    """us per ``fn()``: on CUDA ``calls`` back-to-back calls captured in one graph, replayed ``reps``
+    times (no launch gaps from the host, as in the decode graph); on CPU plain calls."""
+    fn()
+    sync()
+    if DEV != "cuda":
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        return (time.perf_counter() - t) / calls * 1e6
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    g.replay()
+    sync()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        g.replay()
+    end.record()
+    sync()
+    return start.elapsed_time(end) / (reps * calls) * 1e3
+
+
+def gemms(cfg, B: int, autotune: bool) -> dict:
+    d, hd = cfg.hidden_size, cfg.hidden_size // cfg.num_attention_heads
+    kv = cfg.num_key_value_heads * hd
+    shapes = {"qkv": (d, d + 2 * kv), "o": (d, d), "gate_up": (d, 2 * cfg.intermediate_size),
+              "down": (cfg.intermediate_size, d), "lm_head": (d, cfg.vocab_size)}
+    out = {}
+    for name, (k, n) in shapes.items():
+        x = torch.randn(B, k, device=DEV, dtype=torch.bfloat16)
+        w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * 0.02
+        r = out[name] = {"k": k, "n": n, "weight_mb": w.numel() * 2 / 1e6}
+        r["cublas_us"] = per_call_us(lambda: F.linear(x, w))
+        if autotune and DEV == "cuda":
+            f = torch.compile(F.linear, mode="max-autotune-no-cudagraphs", dynamic=False)
+            r["max_autotune_us"] = per_call_us(lambda: f(x, w))
+        for k_ in [k_ for k_ in r if k_.endswith("_us")]:
+            r[k_.replace("_us", "_weight_gbps")] = w.numel() * 2 / r[k_] / 1e3
+        print(f"gemm {name:8s} {k}x{n}: " + ", ".join(f"{k_} {v:.1f}" for k_, v in r.items() if k_.endswith(("_us", "_gbps"))), flush=True)
+    return out
+
+
+def attention_sweep(cfg, B: int, L: int, visible: int) -> dict:
+    import tasks.ppo.decode_attention as da
+
+    n_kv, hd = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    g = cfg.num_attention_heads // n_kv
+    q = torch.randn(B, n_kv, g, hd, device=DEV, dtype=torch.bfloat16)
+    kc, vc = (torch.randn(B, n_kv, L, hd, device=DEV, dtype=torch.bfloat16) for _ in range(2))
+    bias = torch.full((B, 1, 1, L), torch.finfo(torch.bfloat16).min, device=DEV, dtype=torch.bfloat16)
+    bias[..., :visible] = 0
+    bytes_visible = 2 * B * n_kv * visible * hd * 2
+    out = {"visible_columns": visible, "columns": L, "visible_kv_mb": bytes_visible / 1e6}
+    want = F.scaled_dot_product_attention(q, kc, vc, attn_mask=bias, scale=hd ** -0.5)
+    out["sdpa_us"] = per_call_us(lambda: F.scaled_dot_product_attention(q, kc, vc, attn_mask=bias, scale=hd ** -0.5))
+    defaults = (da.BLOCK_N, da.NUM_WARPS, da.NUM_STAGES, da.BROADCAST_UP_TO_G, da.PROGRAMS_PER_SM)
+    rows = []
+    grid = [*((blk, w, st, 0, defaults[4]) for blk, w, st in itertools.product((32, 64, 128), (2, 4, 8), (1, 2, 3))),
+            *((defaults[0], defaults[1], defaults[2], 0, per_sm) for per_sm in (8, 16)),  # more column splits
+            # broadcast products hold g x head_dim x block fp32 numbers: small groups only
+            *((blk, w, 2, g, defaults[4]) for blk, w in itertools.product((32, 64), (2, 4)) if g <= 2)]
+    for block, warps, stages, bcast, per_sm in grid:
+        da.BLOCK_N, da.NUM_WARPS, da.NUM_STAGES, da.BROADCAST_UP_TO_G, da.PROGRAMS_PER_SM = block, warps, stages, bcast, per_sm
+        key = f"block{block}_warps{warps}_stages{stages}_{'bcast' if bcast else 'dot'}_persm{per_sm}"
+        try:
+            got = da.decode_attention(q, kc, vc, bias, hd ** -0.5)
+            err = (got.float() - want.float()).abs().max().item()
+            us = per_call_us(lambda: da.decode_attention(q, kc, vc, bias, hd ** -0.5))
+            rows.append({"variant": key, "us": us, "gbps_visible": bytes_visible / us / 1e3, "max_abs_err_vs_sdpa": err})
+        except Exception as e:  # a launch setting that does not compile (shared memory, registers): recorded
+            rows.append({"variant": key, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+    da.BLOCK_N, da.NUM_WARPS, da.NUM_STAGES, da.BROADCAST_UP_TO_G, da.PROGRAMS_PER_SM = defaults
+    ok = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
+    out["triton"] = ok + [r for r in rows if "us" not in r]
+    default = next((r for r in ok if r["variant"] == f"block{defaults[0]}_warps{defaults[1]}_stages{defaults[2]}_dot_persm{defaults[4]}"), None)
+    out["triton_default_us"] = default["us"] if default else None
+    print(f"attention B={B} {visible}/{L} columns visible ({bytes_visible / 1e6:.1f} MB of K/V): sdpa {out['sdpa_us']:.1f} us, "
+          f"triton default {out['triton_default_us']} us; best:", flush=True)
+    for r in ok[:6]:
+        print(f"    {r['variant']:40s} {r['us']:7.1f} us {r['gbps_visible']:7.0f} GB/s err {r['max_abs_err_vs_sdpa']:.2e}", flush=True)
+    return out
+
+
+def whole_forward(fg: FastGenerator) -> None:
+    """The decode step's forward (every layer, the final norm and the head) as one compiled graph
+    instead of one compiled layer: Inductor may fuse across the layers' boundaries."""
+    fwd = torch.compile(lambda ids, pos, col, bias: fg._forward(ids, pos, col, bias, _layer), fullgraph=True)
+    fg._forward_step = fwd
+    fg._decode_layer = None
+
+    def decode(b, sample):
+        bias = fg._bias[:b]
+        bias.index_fill_(-1, fg._col, 0.0)
+        fg._emit(b, sample(fwd(fg._tok[:b, None], fg._pos[:b, None], fg._col, bias)))
+        fg._pos[:b] += 1
+        fg._col += 1
+    fg._decode = decode
+
+
+def step_variant(model, name: str, prompts, attn, a, gbps: float) -> dict:
+    """One FastGenerator variant: setup, graph-replayed step against the floor, eager-step kernels."""
+    import tasks.ppo.decode_attention as da
+
+    from bench.ppo_iteration import decode_step_numbers, rollout_kw
+
+    torch._dynamo.reset()  # the launch settings are module constants: no compiled code of another variant
+    attention, *opts = name.split("+")
+    saved = (da.BLOCK_N, da.NUM_WARPS, da.NUM_STAGES, da.BROADCAST_UP_TO_G, da.PROGRAMS_PER_SM)
+    for o in opts:  # e.g. warps8, stages3, block32, bcast, persm8
+        if o.startswith(("warps", "stages", "block", "persm")):
+            attr = {"warps": "NUM_WARPS", "stages": "NUM_STAGES", "block": "BLOCK_N", "persm": "PROGRAMS_PER_SM"}[o.rstrip("0123456789")]
+            setattr(da, attr, int(o.lstrip("abcdefghijklmnopqrstuvwxyz_")))
+        elif o == "bcast":
+            da.BROADCAST_UP_TO_G = 8
+    B, N = prompts.shape[0], a.new_tokens
+    kw = rollout_kw(N)
+    t0 = time.perf_counter()
+    fg = FastGenerator(model, max_batch=B, max_len=prompts.shape[1] + N, attention=attention)
+    if "autotune" in opts and DEV == "cuda":
+        fg._decode_layer = torch.compile(_layer, fullgraph=True, mode="max-autotune-no-cudagraphs")
+    if "whole" in opts:
+        whole_forward(fg)
+    try:
+        fg.generate(prompts, attn, **kw)
+        sync()
+        setup = time.perf_counter() - t0
+        ts = []
+        for _ in range(3):
+            sync()
+            t = time.perf_counter()
+            fg.generate(prompts, attn, **kw)
+            sync()
+            ts.append(time.perf_counter() - t)
+        r = {"setup_s": setup, "rollout_s": statistics.median(ts), "new_tokens_per_s": B * N / statistics.median(ts), "info": fg.info()}
+        if DEV == "cuda":
+            a.copy_gbps, a.profile = gbps, False
+            r["decode_step"] = decode_step_numbers(fg, prompts, attn, kw, a)
+            key = next(iter(fg._graphs))
+            fg._reset(B, attn, PAD)
+            for _ in range(N // 2):  # mid-rollout: half the response columns visible
+                fg._graphs[key].replay()
+            r["eager_step_kernels_mid_rollout"] = profile_top(lambda: fg._decode(B, lambda logits: logits.argmax(-1)), 4, a.profile_rows)
+        return r
+    finally:
+        da.BLOCK_N, da.NUM_WARPS, da.NUM_STAGES, da.BROADCAST_UP_TO_G, da.PROGRAMS_PER_SM = saved
+        del fg
+        if DEV == "cuda":
+            torch.cuda.empty_cache()
+
+
+def main() -> None:
+    ap = workload_args(__doc__.splitlines()[0])
+    ap.add_argument("--parts", default="gemm,attention,steps", help="which of gemm, attention, steps to run")
+    ap.add_argument("--no-autotune", action="store_true", help="skip Inductor's max-autotune GEMMs")
+    ap.add_argument("--steps", default="sdpa,triton,triton+autotune,triton+whole",
+                    help="whole-step variants: an attention ('sdpa', 'triton') then +options: autotune (max-autotune layer), "
+                    "whole (one compiled forward), warpsN, stagesN, blockN, persmN, bcast (attention launch settings)")
+    ap.add_argument("--profile-rows", type=int, default=24)
+    a = ap.parse_args()
+    B, P, N = a.batch, a.prompt_len, a.new_tokens
+    torch.backends.cuda.matmul.allow_tf32 = True
+    model = build_policy(a.shape, DEV, torch.bfloat16, vocab=shape_vocab(a.shape)).eval()
+    cfg = model.config
+    gbps = copy_gbps() if DEV == "cuda" else float("nan")
+    parts = a.parts.split(",")
+    res = {"machine": machine(), "command": " ".join(sys.argv), "shape": a.shape, "vocab": cfg.vocab_size, "batch": B,
+           "prompt_len": P, "new_tokens": N, "copy_gbps_measured": gbps}
+    save = lambda: a.out and write_json(a.out, res)  # noqa: E731  (after every part: a later one may not finish)
+    if "gemm" in parts:
+        res["gemm"] = gemms(cfg, B, not a.no_autotune)
+        save()
+    if "attention" in parts and DEV == "cuda":
+        res["attention"] = attention_sweep(cfg, B, -(-(P + N) // 8) * 8, P + N // 2)
+        save()
+    if "steps" in parts:
+        g = torch.Generator(device=DEV).manual_seed(0)
+        prompts = torch.randint(4, cfg.vocab_size, (B, P), device=DEV, generator=g)
+        attn = torch.ones_like(prompts)
+        res["steps"] = {}
+        for name in a.steps.split(","):
+            try:
+                r = res["steps"][name] = step_variant(model, name, prompts, attn, a, gbps)
+            except Exception as e:  # a variant that fails to compile or capture: recorded, the others still run
+                res["steps"][name] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+                print(f"step {name}: {res['steps'][name]['error']}", flush=True)
+                save()
+                continue
+            d = r.get("decode_step", {})
+            print(f"step {name}: {r['new_tokens_per_s']:.0f} new tok/s, setup {r['setup_s']:.1f} s"
+                  + (f", decode step {d['graph_replay_ms']:.3f} ms (floor {d['floor_ms_at_measured_copy_bw']:.3f}: "
+                     f"{100 * d['floor_ms_at_measured_copy_bw'] / d['graph_replay_ms']:.0f}%)" if d else ""), flush=True)
+            for row in r.get("eager_step_kernels_mid_rollout", []):
+                print("   ", row, flush=True)
+            save()
+    save()
+
+
+if __name__ == "__main__":
+    main()
