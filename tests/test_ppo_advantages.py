@@ -255,9 +255,14 @@ def test_a_learner_refuses_a_non_finite_loss_before_its_optimizer_step():
 
     from tasks.ppo.roles import _LearnerMixin
 
-    w = SimpleNamespace(role="critic", rank=0, strategy="ddp", optim=None)  # the optimizer is never reached
+    p = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+    # the optimizer is never reached; the loss is read with the gradient norm, after the backward
+    w = SimpleNamespace(role="critic", rank=0, strategy="ddp", optim=None, params=[p])
     with pytest.raises(FloatingPointError, match=r"critic.s loss is nan .*step was not taken.*ppo.critic_lr"):
-        _LearnerMixin._step(w, torch.tensor(float("nan"), requires_grad=True))
+        _LearnerMixin._step(w, (p * float("nan")).sum())
+    assert torch.equal(p.detach(), torch.tensor([1.0, 2.0]))
+    with torch.autograd.set_detect_anomaly(True), pytest.raises(FloatingPointError, match=r"critic.s loss is nan"):
+        _LearnerMixin._step(w, (p * float("nan")).sum())  # anomaly mode: checked before the backward, which would raise first
 
 
 def test_a_learner_refuses_a_non_finite_gradient_and_leaves_the_weights_as_they_were():

@@ -119,32 +119,41 @@ def _nonfinite_report(model, inputs: dict[str, Tensor]) -> str:
     return "; ".join(parts)
 
 
+def _nonfinite_loss(role: str, rank: int, loss: Tensor) -> str:
+    return f"ppo: the {role}'s loss is {float(loss.detach())} (rank {rank}); the step was not taken, and {NONFINITE_ADVICE}"
+
+
 class _LearnerMixin:
     """Shared by the two learners: optimizer step and state for checkpoints."""
 
     def _step(self, loss: Tensor, inputs: Callable[[], dict[str, Tensor]] = dict) -> None:
         """One optimizer step on ``loss``; stops before it on a non-finite loss or gradient norm,
         naming the gradient tensors and the loss inputs that are not finite (``inputs()`` -> name ->
-        tensor, called only then)."""
-        if not bool(torch.isfinite(loss.detach())):  # a step on it would make every weight NaN
-            raise FloatingPointError(
-                f"ppo: the {self.role}'s loss is {float(loss.detach())} (rank {self.rank}); the step was not taken, and "
-                f"{NONFINITE_ADVICE}")
-        if self.strategy.startswith("colossalai"):
+        tensor, called only then). The loss and the norm are read together after the backward: one
+        host sync a step, so the GPU is not left idle while the host issues the backward."""
+        colossalai = self.strategy.startswith("colossalai")
+        # ZeRO's backward, and anomaly mode's (it would name the loss's own backward op), need the loss checked first
+        if (colossalai or torch.is_anomaly_enabled()) and not bool(torch.isfinite(loss.detach())):
+            raise FloatingPointError(_nonfinite_loss(self.role, self.rank, loss))
+        if colossalai:
             self.optim.backward(loss)  # ZeRO's backward reduces the gradients; the plugin clips (wrap_learner)
             prime_cpu_adam(self.optim)  # exact resume (tasks/ppo/group.py)
         else:
-            loss.backward()
+            loss.backward()  # on a non-finite loss too: its gradients are dropped below, the step never taken
             # the norm first, clipping after the check: clipping by a NaN norm makes every gradient NaN
             norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
-            if not bool(torch.isfinite(norm)):  # a finite loss, a non-finite gradient: same stop, before the step
-                raise FloatingPointError(
+            # the norm's wait (the last kernel of the backward) covers the loss's: read after it, it costs no second stall
+            if not bool(torch.isfinite(norm)) or not bool(torch.isfinite(loss.detach())):
+                if not bool(torch.isfinite(loss.detach())):  # a step on it would make every weight NaN
+                    raise FloatingPointError(_nonfinite_loss(self.role, self.rank, loss))
+                raise FloatingPointError(  # a finite loss, a non-finite gradient: same stop, before the step
                     f"ppo: the {self.role}'s gradient norm is {float(norm)} (rank {self.rank}; {_nonfinite_report(self.model, inputs())}); "
                     f"the step was not taken, and {NONFINITE_ADVICE}. To name the backward op that made it, rerun with "
                     "ppo.detect_anomaly true and ppo.compile 'off'")
             torch.nn.utils.clip_grads_with_norm_(self.params, self.ppo.max_grad_norm, norm)
         self.optim.step()
         self.optim.zero_grad(set_to_none=True)
+
 
     def save_checkpoint(self, store, key: str, iteration: int) -> dict:
         """Write this rank's shard of the checkpoint straight to the store (``tasks.ppo.checkpoint``):
@@ -303,18 +312,18 @@ class PolicyWorker(_LearnerMixin, DistributedWorker):
                     if kl_in_loss:
                         kl = kl_loss(logp, e.ref_logprobs, e.action_mask, aggregate)
                         loss = loss + kl_coef * kl
-                        stats["kl_loss"] += float(kl.detach())
+                        stats["kl_loss"] += kl.detach().float()
                     if self.ppo.ptx_coef > 0:
                         ptx = self._ptx_loss()
                         loss = loss + self.ppo.ptx_coef * ptx
-                        stats["ptx_loss"] += float(ptx.detach())
+                        stats["ptx_loss"] += ptx.detach().float()
                 self._step(loss, lambda: {"log-probs": logp, "old log-probs": e.logprobs, "advantages": e.advantages,
                                           "log-ratio": logp - e.logprobs})
-                stats["policy_loss"] += float(pl.loss.detach())
-                stats["clip_fraction"] += float(pl.clip_fraction)
-                stats["approx_kl"] += float(pl.approx_kl)
+                stats["policy_loss"] += pl.loss.detach().float()  # summed on the device, read once after the epochs
+                stats["clip_fraction"] += pl.clip_fraction.float()
+                stats["approx_kl"] += pl.approx_kl.float()
                 steps += 1
-        return {k: v / steps for k, v in stats.items()}
+        return {k: float(v) / steps for k, v in stats.items()}
 
     def _ptx_loss(self) -> Tensor:
         from tasks.data.dataset import collate_lm
@@ -499,5 +508,6 @@ class CriticWorker(_LearnerMixin, DistributedWorker):
                     v = self.model(e.sequences, e.attention_mask, e.action_mask.shape[1])
                     vl = value_loss(v, e.values, e.returns, e.action_mask, self.ppo.value_clip)
                 self._step(vl.loss, lambda: {"values": v, "old values": e.values, "returns": e.returns})
-                loss_sum, clip_sum, steps = loss_sum + float(vl.loss.detach()), clip_sum + float(vl.clip_fraction), steps + 1
-        return {"value_loss": loss_sum / steps, "value_clip_fraction": clip_sum / steps}
+                # summed on the device, read once after the epochs
+                loss_sum, clip_sum, steps = loss_sum + vl.loss.detach().float(), clip_sum + vl.clip_fraction.float(), steps + 1
+        return {"value_loss": float(loss_sum) / steps, "value_clip_fraction": float(clip_sum) / steps}
