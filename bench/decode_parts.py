@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import build_policy, copy_gbps, machine, profile_top, shape_vocab, sync, workload_args, write_json  # noqa: E402
-from tasks.ppo.fast_generate import FastGenerator, _layer  # noqa: E402
+from tasks.ppo.fast_generate import FastGenerator  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 PAD = 0
@@ -130,22 +130,6 @@ def attention_sweep(cfg, B: int, L: int, visible: int) -> dict:
     return out
 
 
-def whole_forward(fg: FastGenerator) -> None:
-    """The decode step's forward (every layer, the final norm and the head) as one compiled graph
-    instead of one compiled layer: Inductor may fuse across the layers' boundaries."""
-    fwd = torch.compile(lambda ids, pos, col, bias: fg._forward(ids, pos, col, bias, _layer), fullgraph=True)
-    fg._forward_step = fwd
-    fg._decode_layer = None
-
-    def decode(b, sample):
-        bias = fg._bias[:b]
-        bias.index_fill_(-1, fg._col, 0.0)
-        fg._emit(b, sample(fwd(fg._tok[:b, None], fg._pos[:b, None], fg._col, bias)))
-        fg._pos[:b] += 1
-        fg._col += 1
-    fg._decode = decode
-
-
 def step_variant(model, name: str, prompts, attn, a, gbps: float) -> dict:
     """One FastGenerator variant: setup, graph-replayed step against the floor, eager-step kernels."""
     import tasks.ppo.decode_attention as da
@@ -164,11 +148,9 @@ def step_variant(model, name: str, prompts, attn, a, gbps: float) -> dict:
     B, N = prompts.shape[0], a.new_tokens
     kw = rollout_kw(N)
     t0 = time.perf_counter()
-    fg = FastGenerator(model, max_batch=B, max_len=prompts.shape[1] + N, attention=attention)
-    if "autotune" in opts and DEV == "cuda":
-        fg._decode_layer = torch.compile(_layer, fullgraph=True, mode="max-autotune-no-cudagraphs")
-    if "whole" in opts:
-        whole_forward(fg)
+    fg = FastGenerator(model, max_batch=B, max_len=prompts.shape[1] + N, attention=attention,
+                       compile_scope="forward" if "whole" in opts else "layer",
+                       compile_mode="max-autotune-no-cudagraphs" if "autotune" in opts and DEV == "cuda" else None)
     try:
         fg.generate(prompts, attn, **kw)
         sync()
@@ -201,9 +183,9 @@ def main() -> None:
     ap = workload_args(__doc__.splitlines()[0])
     ap.add_argument("--parts", default="gemm,attention,steps", help="which of gemm, attention, steps to run")
     ap.add_argument("--no-autotune", action="store_true", help="skip Inductor's max-autotune GEMMs")
-    ap.add_argument("--steps", default="sdpa,triton,triton+autotune,triton+whole",
-                    help="whole-step variants: an attention ('sdpa', 'triton') then +options: autotune (max-autotune layer), "
-                    "whole (one compiled forward), warpsN, stagesN, blockN, persmN, bcast (attention launch settings)")
+    ap.add_argument("--steps", default="sdpa,triton,triton+autotune,triton+whole,triton+whole+autotune",
+                    help="whole-step variants: an attention ('sdpa', 'triton') then +options: autotune (compile_mode "
+                    "max-autotune-no-cudagraphs), whole (compile_scope 'forward'), warpsN, stagesN, blockN, persmN, bcast (attention launch settings)")
     ap.add_argument("--profile-rows", type=int, default=24)
     a = ap.parse_args()
     B, P, N = a.batch, a.prompt_len, a.new_tokens

@@ -139,18 +139,22 @@ def test_sampling_equals_plain_loop_with_same_generator(setup):
         assert torch.equal(a.action_mask, b.action_mask), kw
 
 
-def test_compiled_decode_equals_plain_loop():
-    """The torch.compile'd layer (what runs on CUDA, here through Inductor's CPU backend) traces
-    with no graph break (fullgraph) and decodes the same greedy and seeded tokens."""
+@pytest.mark.parametrize("scope", ["layer", "forward"])
+def test_compiled_decode_equals_plain_loop(scope):
+    """The torch.compile'd layer, or the whole decoder as one graph (``compile_scope``; what runs
+    on CUDA, here through Inductor's CPU backend) traces with no graph break (fullgraph) and
+    decodes the same greedy and seeded tokens."""
     model = tiny("llama", seed=12)
     ids, mask = left_padded(seed=13)
-    fg = FastGenerator(model, max_batch=4, max_len=32, compile=True)
+    fg = FastGenerator(model, max_batch=4, max_len=32, compile=True, compile_scope=scope)
     assert fg.info()["compiled"]
     assert torch.equal(fast(fg, ids, mask, eos=-1, greedy=True).sequences, plain(model, ids, mask, eos=-1, greedy=True).sequences)
     kw = dict(temperature=0.8, top_k=30)
     a = fast(fg, ids, mask, eos=-1, generator=torch.Generator(DEVICE).manual_seed(5), **kw)
     b = plain(model, ids, mask, eos=-1, generator=torch.Generator(DEVICE).manual_seed(5), **kw)
     assert torch.equal(a.sequences, b.sequences)
+    with pytest.raises(ValueError, match="compile_scope 'model' is not 'layer' or 'forward'"):
+        FastGenerator(model, max_batch=4, max_len=32, compile_scope="model")
 
 
 def test_smaller_batches_and_repeated_calls_reuse_the_cache(setup):

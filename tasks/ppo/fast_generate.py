@@ -178,6 +178,19 @@ def _layer(x: Tensor, kc: Tensor, vc: Tensor, cols: Tensor, mask: Tensor, cos: T
     return x + F.linear(act(gate) * up, wd, bd)
 
 
+def _decoder(ids: Tensor, pos: Tensor, cols: Tensor, mask: Tensor, embed: Tensor, norm: Tensor, head: Tensor, head_bias: Tensor | None,
+             cos_table: Tensor, sin_table: Tensor, k_caches: list, v_caches: list, layers: list, d: Dims, act: Callable,
+             dtype: torch.dtype, layer_fn: Callable = _layer) -> Tensor:
+    """The decoder over T new tokens per row (``_layer`` for each layer, ``layer_fn`` being it or
+    its compiled graph), the final norm and the head: ids, pos (b, T) -> logits of the last
+    position (b, V)."""
+    x = F.embedding(ids, embed).to(dtype)
+    cos, sin = cos_table[pos][:, None], sin_table[pos][:, None]
+    for kc, vc, w in zip(k_caches, v_caches, layers):
+        x = layer_fn(x, kc, vc, cols, mask, cos, sin, w, d, act)
+    return F.linear(_rms(x[:, -1], norm, d.eps), head, head_bias)
+
+
 # ----------------------------------------------------------------------------- weights
 
 def _linear_weight(m, name: str) -> Tensor:
@@ -252,12 +265,16 @@ class FastGenerator:
     so fusing the norms, RoPE, the cache write and SwiGLU is what makes the graph fast.
     ``attention``: the decode step's attention, 'sdpa' or 'triton' (the split-K kernel of
     tasks/ppo/decode_attention.py; see ``pick_decode_attention``). The prompt's prefill is SDPA
-    either way.
+    either way. ``compile_scope``: what one compiled graph covers, 'layer' (compiled once, run for
+    every layer) or 'forward' (all layers, the final norm and the head: fusions across the
+    layers' boundaries, a longer compile); ``compile_mode``: ``torch.compile``'s mode (e.g.
+    'max-autotune-no-cudagraphs': Inductor's GEMM templates tried against cuBLAS).
     """
 
     def __init__(self, model, max_batch: int, max_len: int, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None, use_cuda_graph: bool = True, check_every: int = 16,
-                 compile: bool | None = None, attention: str = "sdpa"):
+                 compile: bool | None = None, attention: str = "sdpa", compile_scope: str = "layer",
+                 compile_mode: str | None = None):
         self.model = model
         self.lm, self.embed, self.layers, self.norm, self.head, rotary = _decoder_parts(model)
         p0 = next(self.lm.parameters())
@@ -298,8 +315,12 @@ class FastGenerator:
 
         self._build_weights()
         want_compile = self.device.type == "cuda" if compile is None else compile
+        if compile_scope not in ("layer", "forward"):
+            raise ValueError(f"FastGenerator: compile_scope {compile_scope!r} is not 'layer' or 'forward'")
         # dynamic=None: a second batch size recompiles once with a symbolic batch dimension
-        self._decode_layer = torch.compile(_layer, fullgraph=True) if want_compile else _layer
+        kw = dict(fullgraph=True, mode=compile_mode)
+        self._decode_layer = torch.compile(_layer, **kw) if want_compile and compile_scope == "layer" else _layer
+        self._decode_forward = torch.compile(_decoder, **kw) if want_compile and compile_scope == "forward" else _decoder
 
     # ------------------------------------------------------------------ weights
 
@@ -359,14 +380,12 @@ class FastGenerator:
 
     # ------------------------------------------------------------------ steps
 
-    def _forward(self, ids: Tensor, pos: Tensor, cols: Tensor, mask: Tensor, layer_fn) -> Tensor:
+    def _forward(self, ids: Tensor, pos: Tensor, cols: Tensor, mask: Tensor, layer_fn, forward_fn=None) -> Tensor:
         """ids, pos (b, T) -> logits of the last position (b, V); K/V written at ``cols``."""
         b = ids.shape[0]
-        x = F.embedding(ids, self._w_embed).to(self.dtype)
-        cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]
-        for i, w in enumerate(self._w_layers):
-            x = layer_fn(x, self.k_cache[i][:b], self.v_cache[i][:b], cols, mask, cos, sin, w, self.dims, self.act)
-        return F.linear(_rms(x[:, -1], self._w_norm, self.dims.eps), self._w_head, self._b_head)
+        return (forward_fn or _decoder)(ids, pos, cols, mask, self._w_embed, self._w_norm, self._w_head, self._b_head, self.cos,
+                                        self.sin, [c[:b] for c in self.k_cache], [c[:b] for c in self.v_cache], self._w_layers,
+                                        self.dims, self.act, self.dtype, layer_fn)
 
     def _prefill(self, input_ids: Tensor, attn: Tensor) -> Tensor:
         """The prompts (b, P) into cache columns 0..P-1 (eager: once a rollout) -> next-token logits (b, V)."""
@@ -391,7 +410,7 @@ class FastGenerator:
         """One decode step from the state buffers (what the graph holds)."""
         bias = self._bias[:b]
         bias.index_fill_(-1, self._col, 0.0)  # the new token's own column becomes visible
-        logits = self._forward(self._tok[:b, None], self._pos[:b, None], self._col, bias, self._decode_layer)
+        logits = self._forward(self._tok[:b, None], self._pos[:b, None], self._col, bias, self._decode_layer, self._decode_forward)
         self._emit(b, sample(logits))
         self._pos[:b] += 1
         self._col += 1
@@ -497,5 +516,6 @@ class FastGenerator:
     def info(self) -> dict:
         """What the decode runs with: {'cuda_graphs', 'graph_batch_sizes', 'weight_copy_gib', 'compiled', 'attention'}."""
         return {"cuda_graphs": self.use_cuda_graph, "graph_batch_sizes": sorted({k[0] for k in self._graphs}),
-                "weight_copy_gib": self.weight_copy_bytes() / 2**30, "compiled": self._decode_layer is not _layer,
+                "weight_copy_gib": self.weight_copy_bytes() / 2**30,
+                "compiled": self._decode_layer is not _layer or self._decode_forward is not _decoder,
                 "attention": self.dims.attention}

@@ -419,19 +419,33 @@ class _Values(torch.nn.Module):
         super().__init__()
         self.rm, self.pack_tokens = rm, pack_tokens
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor, num_actions: int) -> Tensor:
-        # values[t] estimates the return after token t; the state before action a_t is t-1.
-        # Only the real tokens go through the body, packed (tasks/ppo/packing.py), or the
-        # attended columns (tasks/ppo/padding.py).
+    def inputs(self, input_ids: Tensor, attention_mask: Tensor, num_actions: int, device) -> tuple:
+        """The forward's arguments for a batch (B, L), laid out where the batch is: given on the
+        CPU (as Ray hands it), the GPU waits for nothing (tasks/ppo/packing.py). Only the real
+        tokens go through the body, packed, or the attended columns (tasks/ppo/padding.py)."""
         from tasks.ppo.generation import packs
 
+        dev = torch.device(device)
         if self.pack_tokens and packs(self.rm.body):
-            p = pack(input_ids, attention_mask, self.pack_tokens)
-            return unpack(self.rm.values(p.input_ids, None, position_ids=p.position_ids).float(),
-                          action_positions(p, attention_mask, num_actions))
+            p = pack(input_ids, attention_mask, self.pack_tokens, device=dev)
+            states = action_positions(p, attention_mask, num_actions).to(dev, non_blocking=True)
+            return p.input_ids, None, num_actions, (p.position_ids, states)
         span = attended_span(attention_mask, num_actions)
-        values = self.rm.values(cut(input_ids, span), cut(attention_mask, span))
-        return pad_actions(values[:, -span.actions - 1:-1].float(), span)
+        return cut(input_ids, span).to(dev, non_blocking=True), cut(attention_mask, span).to(dev, non_blocking=True), num_actions, span
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None, num_actions: int, layout=None) -> Tensor:
+        """Values (B, N) of the states before the actions: values[t] estimates the return after
+        token t, so the state before action a_t is t - 1. Without ``layout``, of the batch
+        (``inputs`` on its device); with it, the arguments are ``inputs``' own: the cut columns
+        (``layout`` a Span) or the bins (attention_mask None, ``layout`` their position ids and the
+        (B, N) places of the states)."""
+        if layout is None:
+            input_ids, attention_mask, num_actions, layout = self.inputs(input_ids, attention_mask, num_actions, input_ids.device)
+        if attention_mask is None:
+            position_ids, states = layout
+            return unpack(self.rm.values(input_ids, None, position_ids=position_ids).float(), states)
+        values = self.rm.values(input_ids, attention_mask)
+        return pad_actions(values[:, -layout.actions - 1:-1].float(), layout)
 
 
 class CriticWorker(_LearnerMixin, DistributedWorker):
@@ -467,7 +481,8 @@ class CriticWorker(_LearnerMixin, DistributedWorker):
         torch.autograd.set_detect_anomaly(ppo.detect_anomaly, check_nan=True)  # process-wide: this learner's backward
         if wants_compile(ppo.compile, self.device, rm, self.strategy):
             compile_blocks(rm)
-        self.model, self.optim, self.infer_model = wrap_learner(_Values(rm, ppo.pack_tokens), ppo.critic_lr, self.strategy, self.device, ppo.max_grad_norm,
+        self.layout = _Values(rm, ppo.pack_tokens)  # its ``inputs``: the forwards' layout, worked out on the CPU
+        self.model, self.optim, self.infer_model = wrap_learner(self.layout, ppo.critic_lr, self.strategy, self.device, ppo.max_grad_norm,
                                                                       ppo.colossalai_offload)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.learn_gen = torch.Generator().manual_seed(self.seed * 7919 + 202 + self.rank)
@@ -494,8 +509,11 @@ class CriticWorker(_LearnerMixin, DistributedWorker):
 
     def _values(self, rollout) -> Tensor:
         with autocast(self.device):
-            return self.infer_model(rollout.sequences.to(self.device), rollout.attention_mask.to(self.device),
-                                    rollout.action_mask.shape[1]).cpu()
+            return self.infer_model(*self._inputs(rollout.sequences, rollout.attention_mask, rollout.action_mask.shape[1])).cpu()
+
+    def _inputs(self, sequences: Tensor, attention_mask: Tensor, num_actions: int) -> tuple:
+        """The critic forward's arguments for a batch on the CPU (``_Values.inputs``)."""
+        return self.layout.inputs(sequences, attention_mask, num_actions, self.device)
 
     def learn(self, *experience: Experience) -> dict[str, float]:
         from tasks.ppo.losses import value_loss
@@ -504,8 +522,8 @@ class CriticWorker(_LearnerMixin, DistributedWorker):
         for _ in range(self.ppo.ppo_epochs):
             for i in torch.randperm(len(experience), generator=self.learn_gen).tolist():
                 e = Experience(*(t.to(self.device, non_blocking=True) for t in experience[i]))
-                with autocast(self.device):
-                    v = self.model(e.sequences, e.attention_mask, e.action_mask.shape[1])
+                with autocast(self.device):  # the forward's layout from the batch's CPU copy
+                    v = self.model(*self._inputs(experience[i].sequences, experience[i].attention_mask, e.action_mask.shape[1]))
                     vl = value_loss(v, e.values, e.returns, e.action_mask, self.ppo.value_clip)
                 self._step(vl.loss, lambda: {"values": v, "old values": e.values, "returns": e.returns})
                 # summed on the device, read once after the epochs
