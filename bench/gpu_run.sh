@@ -42,7 +42,7 @@ for step in "$@"; do
     decode) timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_decode_attention.py > "$OUT/decode_test.log" 2>&1; tail -3 "$OUT/decode_test.log"
             timeout 300 python3 bench/ppo_iteration.py --shape 0.4b --attention sdpa,triton --skip-rollout-baselines --skip-eager-learn \
               --out "$OUT/decode_attention_0.4b.json" > "$OUT/decode_attention.log" 2>&1; grep -E "^attention|decode step|Error" "$OUT/decode_attention.log" | head ;;
-    rollout) for sh in ${ROLLOUT_SHAPES:-0.4b}; do timeout 300 python3 bench/rollout_realistic.py --shape "$sh" --attention ${ROLLOUT_ATTENTION:-sdpa,triton} \
+    rollout) for sh in ${ROLLOUT_SHAPES:-0.4b}; do timeout 300 python3 bench/rollout_realistic.py --shape "$sh" --attention ${ROLLOUT_ATTENTION:-sdpa,triton} ${ROLLOUT_ARGS:-} \
                --out "$OUT/rollout_realistic_$sh.json" > "$OUT/rollout_$sh.log" 2>&1; tail -12 "$OUT/rollout_$sh.log"; done ;;
     match)  # issue 18: the PPO stage and the in-process iteration on one workload (bench/ppo_stage_gpu.py's 0.3b run)
             timeout 240 python3 bench/ppo_iteration.py --batch 64 --prompt-len 11 --new-tokens 64 --vocab 512 --lora-actor 32 \

@@ -86,6 +86,7 @@ def main() -> None:
     ap = workload_args(__doc__.splitlines()[0])
     ap.add_argument("--stop-ids", type=int, default=None, help="how many token ids stop a row in the eos cases (default: vocab / 80)")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--cases", default="fixed,eos,mixed_prompts,top_p_top_k,realistic", help="which cases to run, comma-separated")
     ap.add_argument("--attention", default="sdpa", help="FastGenerator's decode attention(s), comma-separated: sdpa, triton")
     a = ap.parse_args()
     B, P, N, V = a.batch, a.prompt_len, a.new_tokens, shape_vocab(a.shape)
@@ -98,6 +99,7 @@ def main() -> None:
              "top_p_top_k": (False, stops, 50, 0.9), "realistic": (True, stops, 50, 0.9)}
     res = {"machine": machine(), "command": " ".join(sys.argv), "shape": a.shape, "batch": B, "prompt_len": P, "new_tokens": N,
            "stop_ids": a.stop_ids, "attention": list(fgs), "cases": {}}
+    cases = {k: cases[k] for k in a.cases.split(",")}
     for name, (mixed, st, k, p) in cases.items():
         ids, attn = prompts_for(B, P, V, mixed, g)
         res["cases"][name] = c = run_case(fgs, model, ids, attn, N, st, k, p, a.reps)
@@ -106,6 +108,8 @@ def main() -> None:
             print(f"{name:14s} fast ({att:6s}) {f['useful_new_tokens_per_s']:9.0f} useful tok/s ({f['s']:.3f} s, len "
                   f"{f['mean_response_len']:.1f}, {f['steps_run']} steps)  hf {c['hf_generate']['useful_new_tokens_per_s']:8.0f}"
                   f"  x{c[f'fast_{att}_vs_hf_useful_tokens']:.1f}", flush=True)
+        if a.out:  # after every case: a later one may not finish within a device call
+            write_json(a.out, res)
     res["useful_tokens_per_s_vs_fixed"] = {
         att: {k: v[f"fast_{att}"]["useful_new_tokens_per_s"] / res["cases"]["fixed"][f"fast_{att}"]["useful_new_tokens_per_s"]
               for k, v in res["cases"].items()} for att in fgs}
