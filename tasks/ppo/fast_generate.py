@@ -358,6 +358,12 @@ class FastGenerator:
         self._w_embed, self._w_norm, self._w_head, self._b_head = w[:4]
         self._w_layers = [tuple(w[4 + i * n: 4 + (i + 1) * n]) for i in range(len(self.layers))]
 
+    def _drop_graphs(self) -> None:
+        """Forget the captured graphs and their memory pool: a pool whose last graph is gone
+        cannot take a new capture (an internal assert of the caching allocator on the H200)."""
+        self._graphs.clear()
+        self._pool = None
+
     def _pointers(self) -> list[int]:
         return [p.data_ptr() for p in self.lm.parameters()]
 
@@ -366,7 +372,7 @@ class FastGenerator:
         re-fills the packed / merged / cast buffers in place; if any parameter tensor was replaced,
         rebuilds the weight set and drops the graphs (they read the old addresses)."""
         if self._pointers() != self._param_ptrs:
-            self._graphs.clear()
+            self._drop_graphs()
             self._build_weights()
             return
         with torch.no_grad():
@@ -418,7 +424,7 @@ class FastGenerator:
     def _set_stops(self, ids: list[int]) -> None:
         if len(ids) > self._stop.numel():  # the graphs read the old buffer's address
             self._stop = torch.full((len(ids),), -1, dtype=torch.long, device=self.device)
-            self._graphs.clear()
+            self._drop_graphs()
         self._stop.fill_(-1)
         self._stop[: len(ids)] = torch.tensor(ids, dtype=torch.long)
 
