@@ -10,7 +10,7 @@ One bf16 random-weight Llama of ``--shape``, one process, side by side:
   (its Triton templates against cuBLAS), each timed inside a CUDA graph of back-to-back calls
   (the decode graph's situation): us per call and the weight bytes read per second.
 - **Attention**: the split-K Triton kernel (tasks/ppo/decode_attention.py) over launch settings
-  (columns per tile, warps, pipeline stages, scores by ``tl.dot`` or broadcast products) and SDPA,
+  (columns per tile, warps, pipeline stages, column splits) and SDPA,
   at mid-rollout (the prompt and half the response visible): us per call against the visible
   K/V bytes.
 - **Whole steps** (``--steps``): FastGenerator's graph-replayed decode step for the decode
@@ -22,9 +22,9 @@ Numbers go to ``--out`` (JSON) and the log.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
-import statistics
 import sys
 import time
 
@@ -89,6 +89,26 @@ def gemms(cfg, B: int, autotune: bool) -> dict:
     return out
 
 
+def variant_name(settings: dict) -> str:
+    return "block{BLOCK_N}_warps{NUM_WARPS}_stages{NUM_STAGES}_persm{PROGRAMS_PER_SM}".format(**settings)
+
+
+@contextlib.contextmanager
+def launch(settings: dict):
+    """The decode attention's launch settings (tasks/ppo/decode_attention.py's module constants,
+    read at call time) set for the block, restored after it."""
+    import tasks.ppo.decode_attention as da
+
+    saved = {k: getattr(da, k) for k in settings}
+    for k, v in settings.items():
+        setattr(da, k, v)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(da, k, v)
+
+
 def attention_sweep(cfg, B: int, L: int, visible: int) -> dict:
     import tasks.ppo.decode_attention as da
 
@@ -102,27 +122,23 @@ def attention_sweep(cfg, B: int, L: int, visible: int) -> dict:
     out = {"visible_columns": visible, "columns": L, "visible_kv_mb": bytes_visible / 1e6}
     want = F.scaled_dot_product_attention(q, kc, vc, attn_mask=bias, scale=hd ** -0.5)
     out["sdpa_us"] = per_call_us(lambda: F.scaled_dot_product_attention(q, kc, vc, attn_mask=bias, scale=hd ** -0.5))
-    defaults = (da.BLOCK_N, da.NUM_WARPS, da.NUM_STAGES, da.BROADCAST_UP_TO_G, da.PROGRAMS_PER_SM)
+    default = dict(BLOCK_N=da.BLOCK_N, NUM_WARPS=da.NUM_WARPS, NUM_STAGES=da.NUM_STAGES, PROGRAMS_PER_SM=da.PROGRAMS_PER_SM)
+    grid = [*(dict(default, BLOCK_N=blk, NUM_WARPS=w, NUM_STAGES=st) for blk, w, st in itertools.product((32, 64, 128), (2, 4, 8), (1, 2, 3))),
+            *(dict(default, PROGRAMS_PER_SM=per_sm) for per_sm in (8, 16))]  # more column splits
     rows = []
-    grid = [*((blk, w, st, 0, defaults[4]) for blk, w, st in itertools.product((32, 64, 128), (2, 4, 8), (1, 2, 3))),
-            *((defaults[0], defaults[1], defaults[2], 0, per_sm) for per_sm in (8, 16)),  # more column splits
-            # broadcast products hold g x head_dim x block fp32 numbers: small groups only
-            *((blk, w, 2, g, defaults[4]) for blk, w in itertools.product((32, 64), (2, 4)) if g <= 2)]
-    for block, warps, stages, bcast, per_sm in grid:
-        da.BLOCK_N, da.NUM_WARPS, da.NUM_STAGES, da.BROADCAST_UP_TO_G, da.PROGRAMS_PER_SM = block, warps, stages, bcast, per_sm
-        key = f"block{block}_warps{warps}_stages{stages}_{'bcast' if bcast else 'dot'}_persm{per_sm}"
+    for settings in grid:
+        key = variant_name(settings)
         try:
-            got = da.decode_attention(q, kc, vc, bias, hd ** -0.5)
-            err = (got.float() - want.float()).abs().max().item()
-            us = per_call_us(lambda: da.decode_attention(q, kc, vc, bias, hd ** -0.5))
+            with launch(settings):
+                got = da.decode_attention(q, kc, vc, bias, hd ** -0.5)
+                err = (got.float() - want.float()).abs().max().item()
+                us = per_call_us(lambda: da.decode_attention(q, kc, vc, bias, hd ** -0.5))
             rows.append({"variant": key, "us": us, "gbps_visible": bytes_visible / us / 1e3, "max_abs_err_vs_sdpa": err})
         except Exception as e:  # a launch setting that does not compile (shared memory, registers): recorded
             rows.append({"variant": key, "error": f"{type(e).__name__}: {str(e)[:200]}"})
-    da.BLOCK_N, da.NUM_WARPS, da.NUM_STAGES, da.BROADCAST_UP_TO_G, da.PROGRAMS_PER_SM = defaults
     ok = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
     out["triton"] = ok + [r for r in rows if "us" not in r]
-    default = next((r for r in ok if r["variant"] == f"block{defaults[0]}_warps{defaults[1]}_stages{defaults[2]}_dot_persm{defaults[4]}"), None)
-    out["triton_default_us"] = default["us"] if default else None
+    out["triton_default_us"] = next((r["us"] for r in ok if r["variant"] == variant_name(default)), None)
     print(f"attention B={B} {visible}/{L} columns visible ({bytes_visible / 1e6:.1f} MB of K/V): sdpa {out['sdpa_us']:.1f} us, "
           f"triton default {out['triton_default_us']} us; best:", flush=True)
     for r in ok[:6]:
@@ -130,53 +146,37 @@ def attention_sweep(cfg, B: int, L: int, visible: int) -> dict:
     return out
 
 
+OPTIONS = {"warps": "NUM_WARPS", "stages": "NUM_STAGES", "block": "BLOCK_N", "persm": "PROGRAMS_PER_SM"}
+
+
 def step_variant(model, name: str, prompts, attn, a, gbps: float) -> dict:
-    """One FastGenerator variant: setup, graph-replayed step against the floor, eager-step kernels."""
-    import tasks.ppo.decode_attention as da
+    """One FastGenerator variant ('triton+whole+warps2', ...): setup and rollouts (bench/ppo_iteration.py's
+    ``time_fast``), the graph-replayed step against the floor, the kernels of one eager step."""
+    from bench.ppo_iteration import decode_step_numbers, rollout_kw, time_fast
 
-    from bench.ppo_iteration import decode_step_numbers, rollout_kw
-
-    torch._dynamo.reset()  # the launch settings are module constants: no compiled code of another variant
     attention, *opts = name.split("+")
-    saved = (da.BLOCK_N, da.NUM_WARPS, da.NUM_STAGES, da.BROADCAST_UP_TO_G, da.PROGRAMS_PER_SM)
-    for o in opts:  # e.g. warps8, stages3, block32, bcast, persm8
-        if o.startswith(("warps", "stages", "block", "persm")):
-            attr = {"warps": "NUM_WARPS", "stages": "NUM_STAGES", "block": "BLOCK_N", "persm": "PROGRAMS_PER_SM"}[o.rstrip("0123456789")]
-            setattr(da, attr, int(o.lstrip("abcdefghijklmnopqrstuvwxyz_")))
-        elif o == "bcast":
-            da.BROADCAST_UP_TO_G = 8
+    settings = {OPTIONS[o.rstrip("0123456789")]: int(o.lstrip("abcdefghijklmnopqrstuvwxyz")) for o in opts
+                if o.rstrip("0123456789") in OPTIONS}  # e.g. warps8, stages3, block32, persm8
+    torch._dynamo.reset()  # the launch settings are module constants: no compiled code of another variant
     B, N = prompts.shape[0], a.new_tokens
     kw = rollout_kw(N)
-    t0 = time.perf_counter()
-    fg = FastGenerator(model, max_batch=B, max_len=prompts.shape[1] + N, attention=attention,
-                       compile_scope="forward" if "whole" in opts else "layer",
-                       compile_mode="max-autotune-no-cudagraphs" if "autotune" in opts and DEV == "cuda" else None)
-    try:
-        fg.generate(prompts, attn, **kw)
-        sync()
-        setup = time.perf_counter() - t0
-        ts = []
-        for _ in range(3):
-            sync()
-            t = time.perf_counter()
-            fg.generate(prompts, attn, **kw)
-            sync()
-            ts.append(time.perf_counter() - t)
-        r = {"setup_s": setup, "rollout_s": statistics.median(ts), "new_tokens_per_s": B * N / statistics.median(ts), "info": fg.info()}
-        if DEV == "cuda":
-            a.copy_gbps, a.profile = gbps, False
-            r["decode_step"] = decode_step_numbers(fg, prompts, attn, kw, a)
-            key = next(iter(fg._graphs))
-            fg._reset(B, attn, PAD)
-            for _ in range(N // 2):  # mid-rollout: half the response columns visible
-                fg._graphs[key].replay()
-            r["eager_step_kernels_mid_rollout"] = profile_top(lambda: fg._decode(B, lambda logits: logits.argmax(-1)), 4, a.profile_rows)
-        return r
-    finally:
-        da.BLOCK_N, da.NUM_WARPS, da.NUM_STAGES, da.BROADCAST_UP_TO_G, da.PROGRAMS_PER_SM = saved
-        del fg
-        if DEV == "cuda":
-            torch.cuda.empty_cache()
+    a.reps, a.copy_gbps, a.profile = 3, gbps, False
+    with launch(settings):
+        fg, r = time_fast(model, prompts, attn, kw, a, attention=attention, compile_scope="forward" if "whole" in opts else "layer",
+                          compile_mode="max-autotune-no-cudagraphs" if "autotune" in opts and DEV == "cuda" else None)
+        try:
+            if DEV == "cuda":
+                r["decode_step"] = decode_step_numbers(fg, prompts, attn, kw, a)
+                key = next(iter(fg._graphs))
+                fg._reset(B, attn, PAD)
+                for _ in range(N // 2):  # mid-rollout: half the response columns visible
+                    fg._graphs[key].replay()
+                r["eager_step_kernels_mid_rollout"] = profile_top(lambda: fg._decode(B, lambda logits: logits.argmax(-1)), 4, a.profile_rows)
+            return r
+        finally:
+            del fg
+            if DEV == "cuda":
+                torch.cuda.empty_cache()
 
 
 def main() -> None:
@@ -185,7 +185,7 @@ def main() -> None:
     ap.add_argument("--no-autotune", action="store_true", help="skip Inductor's max-autotune GEMMs")
     ap.add_argument("--steps", default="sdpa,triton,triton+autotune,triton+whole,triton+whole+autotune",
                     help="whole-step variants: an attention ('sdpa', 'triton') then +options: autotune (compile_mode "
-                    "max-autotune-no-cudagraphs), whole (compile_scope 'forward'), warpsN, stagesN, blockN, persmN, bcast (attention launch settings)")
+                    "max-autotune-no-cudagraphs), whole (compile_scope 'forward'), warpsN, stagesN, blockN, persmN (attention launch settings)")
     ap.add_argument("--profile-rows", type=int, default=24)
     a = ap.parse_args()
     B, P, N = a.batch, a.prompt_len, a.new_tokens
@@ -217,7 +217,7 @@ def main() -> None:
                 save()
                 continue
             d = r.get("decode_step", {})
-            print(f"step {name}: {r['new_tokens_per_s']:.0f} new tok/s, setup {r['setup_s']:.1f} s"
+            print(f"step {name}: {r['new_tokens_per_s']:.0f} new tok/s, setup {r['setup_compile_capture_s']:.1f} s"
                   + (f", decode step {d['graph_replay_ms']:.3f} ms (floor {d['floor_ms_at_measured_copy_bw']:.3f}: "
                      f"{100 * d['floor_ms_at_measured_copy_bw'] / d['graph_replay_ms']:.0f}%)" if d else ""), flush=True)
             for row in r.get("eager_step_kernels_mid_rollout", []):

@@ -136,17 +136,14 @@ def host_syncs(fn) -> list[dict]:
         sites[site] = sites.get(site, 0) + 1
 
     sync()
-    old = warnings.showwarning
-    warnings.showwarning = record
     torch.cuda.set_sync_debug_mode("warn")
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings():  # restores showwarning and the filters on exit
             warnings.simplefilter("always")
             warnings.showwarning = record
             fn()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-        warnings.showwarning = old
     return [{"site": k, "count": v} for k, v in sorted(sites.items(), key=lambda kv: -kv[1])]
 
 

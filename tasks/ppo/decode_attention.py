@@ -42,8 +42,8 @@ BLOCK_N = 64  # cache columns per tile: 64 x head_dim K and V tiles, 8-16 KB eac
 MIN_ROWS = 16  # tl.dot's smallest M (and N, K): the group's queries are padded to it
 SMS_IF_NOT_CUDA = 132  # an H200's SM count, for the split choice off CUDA (the interpreter's tests)
 PROGRAMS_PER_SM = 4  # enough programs in flight to keep the memory system busy
-NUM_WARPS, NUM_STAGES = 4, 2  # the partial kernel's launch (read at call time: bench/decode_parts.py sweeps them)
-BROADCAST_UP_TO_G = 0  # groups of at most this many query heads score by broadcast products, not tl.dot
+NUM_WARPS, NUM_STAGES = 4, 2  # the partial kernel's launch, read at call time (bench/decode_parts.py sweeps them:
+# 2 warps / 1 stage was faster alone on the H200, not in the whole decode step)
 # Triton's interpreter (TRITON_INTERPRET=1, the CPU tests) multiplies bfloat16 bit patterns in
 # tl.dot (triton-lang/triton#11584, "not supported yet"): there the dot operands, already rounded
 # to the cache dtype, are widened to fp32 first, which gives the same products
@@ -55,7 +55,7 @@ def _partial_kernel(Q, K, V, Bias, Out, Mx, Sm, Acc,
                     sq_b, sq_h, sq_g, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l, sb_b, sb_l, so_b, so_h, so_g,
                     n_kv, G, L, cols_per_split, scale: tl.constexpr, masked: tl.constexpr, HD: tl.constexpr,
                     G_PAD: tl.constexpr, HD_PAD: tl.constexpr, BLOCK: tl.constexpr, ONE_SPLIT: tl.constexpr,
-                    DOT_IN_F32: tl.constexpr, BCAST: tl.constexpr):
+                    DOT_IN_F32: tl.constexpr):
     """Softmax state of one (row, KV head) over one split of the cache columns: max ``Mx`` and
     sum ``Sm`` (b, n_kv, S, G) and unnormalised weighted V ``Acc`` (b, n_kv, S, G, HD), fp32,
     in base-2 units (exp2 is the hardware's); with ``ONE_SPLIT`` the normalised output instead.
@@ -84,25 +84,19 @@ def _partial_kernel(Q, K, V, Bias, Out, Mx, Sm, Acc,
         bias = tl.load(Bias + row * sb_b + cols * sb_l, mask=cols < end, other=masked).to(tl.float32)
         seen = bias > masked  # predicated K/V loads: a masked column is never read
         kt = tl.load(k_base + cols[None, :] * sk_l + offs_d[:, None], mask=seen[None, :] & d_ok[:, None], other=0.0)
-        if BCAST:  # (G_PAD, HD_PAD, BLOCK) products summed over the head dimension, in fp32
-            qk = tl.sum(q.to(tl.float32)[:, :, None] * kt.to(tl.float32)[None, :, :], 1)
-        else:
-            if DOT_IN_F32:
-                kt = kt.to(tl.float32)
-            qk = tl.dot(q, kt, input_precision="ieee")  # (G_PAD, BLOCK), fp32 accumulation
+        if DOT_IN_F32:
+            kt = kt.to(tl.float32)
+        qk = tl.dot(q, kt, input_precision="ieee")  # (G_PAD, BLOCK), fp32 accumulation
         x = tl.where(seen[None, :], qk * scale + bias[None, :], float("-inf")) * LOG2E
         m_new = tl.maximum(m, tl.max(x, 1))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a tile with nothing seen yet: no NaN
         p = tl.exp2(x - m_ref[:, None])
         alpha = tl.exp2(m - m_ref)
         v = tl.load(v_base + cols[:, None] * sv_l + offs_d[None, :], mask=seen[:, None] & d_ok[None, :], other=0.0)
-        if BCAST:
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], 1)
-        else:
-            pv = p.to(v.dtype)  # probabilities in the cache dtype for the tensor cores, as flash attention
-            if DOT_IN_F32:
-                pv, v = pv.to(tl.float32), v.to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision="ieee")
+        pv = p.to(v.dtype)  # probabilities in the cache dtype for the tensor cores, as flash attention
+        if DOT_IN_F32:
+            pv, v = pv.to(tl.float32), v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision="ieee")
         s = s * alpha + tl.sum(p, 1)
         m = m_new
 
@@ -187,9 +181,7 @@ def decode_attention(q: Tensor, kc: Tensor, vc: Tensor, bias: Tensor, scale: flo
     cols_per_split = _cdiv(_cdiv(L, splits), BLOCK_N) * BLOCK_N  # whole tiles
     splits = _cdiv(L, cols_per_split)  # no split left without a column
     out = torch.empty((b, n_kv, g, hd), dtype=q.dtype, device=q.device)
-    bcast = g <= BROADCAST_UP_TO_G
-    g_pad = triton.next_power_of_2(g) if bcast else max(MIN_ROWS, triton.next_power_of_2(g))
-    hd_pad = max(MIN_ROWS, triton.next_power_of_2(hd))
+    g_pad, hd_pad = max(MIN_ROWS, triton.next_power_of_2(g)), max(MIN_ROWS, triton.next_power_of_2(hd))
     masked = torch.finfo(bias.dtype).min
     # the splits' states (allocated, not written, with one split: no tensor passed twice, which
     # torch.compile's functionalisation of the kernel's outputs would have to untangle)
@@ -202,7 +194,7 @@ def decode_attention(q: Tensor, kc: Tensor, vc: Tensor, bias: Tensor, scale: flo
         vc.stride(0), vc.stride(1), vc.stride(2), bias.stride(0), bias.stride(3),
         out.stride(0), out.stride(1), out.stride(2),
         n_kv, g, L, cols_per_split, scale, masked, HD=hd,
-        G_PAD=g_pad, HD_PAD=hd_pad, BLOCK=BLOCK_N, ONE_SPLIT=splits == 1, DOT_IN_F32=INTERPRETED, BCAST=bcast,
+        G_PAD=g_pad, HD_PAD=hd_pad, BLOCK=BLOCK_N, ONE_SPLIT=splits == 1, DOT_IN_F32=INTERPRETED,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     if splits > 1:
         torch.library.wrap_triton(_combine_kernel)[(b * n_kv,)](

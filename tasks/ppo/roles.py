@@ -139,13 +139,13 @@ class _LearnerMixin:
             self.optim.backward(loss)  # ZeRO's backward reduces the gradients; the plugin clips (wrap_learner)
             prime_cpu_adam(self.optim)  # exact resume (tasks/ppo/group.py)
         else:
-            loss.backward()  # on a non-finite loss too: its gradients are dropped below, the step never taken
+            loss.backward()  # on a non-finite loss too: the check below stops the run before any step
             # the norm first, clipping after the check: clipping by a NaN norm makes every gradient NaN
             norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
-            # the norm's wait (the last kernel of the backward) covers the loss's: read after it, it costs no second stall
-            if not bool(torch.isfinite(norm)) or not bool(torch.isfinite(loss.detach())):
-                if not bool(torch.isfinite(loss.detach())):  # a step on it would make every weight NaN
-                    raise FloatingPointError(_nonfinite_loss(self.role, self.rank, loss))
+            # read after the backward and the norm are queued: the host waits once, for all of them
+            if not bool(torch.isfinite(loss.detach())):  # a step on it would make every weight NaN
+                raise FloatingPointError(_nonfinite_loss(self.role, self.rank, loss))
+            if not bool(torch.isfinite(norm)):
                 raise FloatingPointError(  # a finite loss, a non-finite gradient: same stop, before the step
                     f"ppo: the {self.role}'s gradient norm is {float(norm)} (rank {self.rank}; {_nonfinite_report(self.model, inputs())}); "
                     f"the step was not taken, and {NONFINITE_ADVICE}. To name the backward op that made it, rerun with "
@@ -153,7 +153,6 @@ class _LearnerMixin:
             torch.nn.utils.clip_grads_with_norm_(self.params, self.ppo.max_grad_norm, norm)
         self.optim.step()
         self.optim.zero_grad(set_to_none=True)
-
 
     def save_checkpoint(self, store, key: str, iteration: int) -> dict:
         """Write this rank's shard of the checkpoint straight to the store (``tasks.ppo.checkpoint``):
@@ -481,8 +480,8 @@ class CriticWorker(_LearnerMixin, DistributedWorker):
         torch.autograd.set_detect_anomaly(ppo.detect_anomaly, check_nan=True)  # process-wide: this learner's backward
         if wants_compile(ppo.compile, self.device, rm, self.strategy):
             compile_blocks(rm)
-        self.layout = _Values(rm, ppo.pack_tokens)  # its ``inputs``: the forwards' layout, worked out on the CPU
-        self.model, self.optim, self.infer_model = wrap_learner(self.layout, ppo.critic_lr, self.strategy, self.device, ppo.max_grad_norm,
+        self.values_module = _Values(rm, ppo.pack_tokens)  # unwrapped: its ``inputs`` lays out the forwards on the CPU
+        self.model, self.optim, self.infer_model = wrap_learner(self.values_module, ppo.critic_lr, self.strategy, self.device, ppo.max_grad_norm,
                                                                       ppo.colossalai_offload)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.learn_gen = torch.Generator().manual_seed(self.seed * 7919 + 202 + self.rank)
@@ -513,7 +512,7 @@ class CriticWorker(_LearnerMixin, DistributedWorker):
 
     def _inputs(self, sequences: Tensor, attention_mask: Tensor, num_actions: int) -> tuple:
         """The critic forward's arguments for a batch on the CPU (``_Values.inputs``)."""
-        return self.layout.inputs(sequences, attention_mask, num_actions, self.device)
+        return self.values_module.inputs(sequences, attention_mask, num_actions, self.device)
 
     def learn(self, *experience: Experience) -> dict[str, float]:
         from tasks.ppo.losses import value_loss
