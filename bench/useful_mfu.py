@@ -18,7 +18,8 @@ bins of C columns (``ppo.pack_tokens``, tasks/ppo/packing.py): ``--variants``. R
 against the real tokens, **useful-token MFU** (the FLOPs of the real tokens only, over the time,
 against the 989 TFLOP/s datasheet peak) and the MFU of the tokens computed (padding included).
 ``--profile`` then splits one epoch of the fastest variant into forward / backward / optimizer step
-(synchronised between them) and runs it and the ``--profile-variants`` under torch.profiler: the
+(synchronised between them; ``*_host``: until the host had issued the phase, so a phase whose host
+time is its whole time waits on the host or on a sync inside it) and runs it and the ``--profile-variants`` under torch.profiler: the
 device's kernel time against the wall time, by kind (GEMM, attention, optimizer, fused
 elementwise, copies), and the ops with the most device time: where an epoch goes.
 """
@@ -73,16 +74,20 @@ def epoch(policy, critic, opt, exp: dict, order: torch.Tensor, mb: int, N: int, 
         sync()
         t = time.perf_counter()
         yield
+        issued = time.perf_counter()  # the host is done; the device may still be working
         sync()
-        phases[key] = phases.get(key, 0.0) + time.perf_counter() - t
+        done = time.perf_counter()
+        phases[key] = phases.get(key, 0.0) + done - t
+        phases[key + "_host"] = phases.get(key + "_host", 0.0) + issued - t
 
     for rows in order.split(mb):  # the policy's batch given on the CPU, as the stage's learner has it from Ray
         e = {k: v[rows.to(DEV)] for k, v in exp.items() if not k.endswith("_cpu")}
         with lap("forward_s"), torch.autocast(DEV, dtype=torch.bfloat16, enabled=DEV == "cuda"):
             logp = action_logprobs(policy, exp["seqs_cpu"][rows], exp["attn_cpu"][rows], N, pack_tokens=pack_tokens, device=DEV)
             pl = ppo_clip_loss(logp, e["old_logp"], e["adv"], e["amask"])
-            critic.pack_tokens = pack_tokens
-            vl = value_loss(critic(e["seqs"], e["attn"], N), e["old_values"], e["returns"], e["amask"])
+            critic.pack_tokens = pack_tokens  # laid out on the CPU copy, as the stage's critic does (CriticWorker._inputs)
+            values = critic(*critic.inputs(exp["seqs_cpu"][rows], exp["attn_cpu"][rows], N, DEV))
+            vl = value_loss(values, e["old_values"], e["returns"], e["amask"])
         with lap("backward_s"):
             (pl.loss + vl.loss).backward()
         with lap("optimizer_s"):
