@@ -39,7 +39,6 @@ from bench.common import (H200_BF16_DENSE_TFLOPS, build_policy, build_value_mode
                           machine, matmul_tflops, n_params, peak_gib, reset_peak, shape_vocab, sync, timed, train_flops, workload_args,
                           write_json)
 from tasks.ppo.generation import action_logprobs  # noqa: E402
-from tasks.ppo.group import compile_blocks  # noqa: E402
 from tasks.ppo.losses import ppo_clip_loss, value_loss  # noqa: E402
 from tasks.ppo.packing import pack  # noqa: E402
 from tasks.ppo.padding import attended_span, length_order  # noqa: E402
@@ -152,6 +151,24 @@ def host_syncs(fn) -> list[dict]:
     return [{"site": k, "count": v} for k, v in sorted(sites.items(), key=lambda kv: -kv[1])]
 
 
+def compile_as(model, how: str) -> None:
+    """``--compile``: 'blocks' (the stage's ``compile_blocks``: each transformer block its own graph),
+    'blocks-graphs' (the same with mode 'reduce-overhead': each block's forward and backward
+    replayed as CUDA graphs, per input shape), 'body' (the decoder body, embeddings, masks,
+    rotary and all blocks, as one graph; the LM head / value head eager), 'none'."""
+    from tasks.common.model import transformer_blocks
+
+    if how in ("blocks", "blocks-graphs"):
+        for block in transformer_blocks(model):
+            block.compile(**({"mode": "reduce-overhead"} if how == "blocks-graphs" else {}))
+    elif how == "body":
+        blocks = transformer_blocks(model)
+        body = next(m for m in model.modules() if any(x is blocks[0] for x in getattr(m, "layers", ())))
+        body.compile()
+    elif how != "none":
+        raise SystemExit(f"--compile {how!r}: one of blocks, blocks-graphs, body, none")
+
+
 def work(cfg, exp: dict, order: torch.Tensor, mb: int, N: int, pack_tokens: int = 0, lora_actor: bool = False,
          lora_critic: bool = False) -> dict:
     """Tokens and FLOPs of one epoch: real ones, and those the cut (or packed) minibatches compute
@@ -190,6 +207,8 @@ def main() -> None:
                     help="rollout_order / bucket_by_length: unpacked, minibatches in rollout order / by length_order; "
                     "packedC: rows packed into bins of C columns (ppo.pack_tokens C), rollout order; packedC_bucket: by length_order")
     ap.add_argument("--profile-variants", default="rollout_order,packed1024", help="with --profile: these variants too")
+    ap.add_argument("--compile", default="blocks", help="how the models are compiled (CUDA; elsewhere only when not 'blocks'): "
+                    "blocks (the stage's), blocks-graphs, body, none (see compile_as)")
     ap.add_argument("--sync-debug", action="store_true", help="then one epoch of each variant with torch's CUDA sync debug mode: "
                     "every place the host waits for the GPU, by call site")
     ap.add_argument("--profile", action="store_true", help="then one epoch of the fastest variant with its phases timed apart, and "
@@ -199,7 +218,7 @@ def main() -> None:
     B, P, N, mb = a.batch, a.prompt_len, a.new_tokens, a.minibatch
     torch.backends.cuda.matmul.allow_tf32 = True
     res = {"machine": machine(), "command": " ".join(sys.argv), "shape": a.shape, "batch": B, "prompt_len": P,
-           "new_tokens": N, "minibatch": mb, "vocab": a.vocab, "lora_actor": a.lora_actor, "lora_critic": a.lora_critic,
+           "new_tokens": N, "minibatch": mb, "compile": a.compile, "vocab": a.vocab, "lora_actor": a.lora_actor, "lora_critic": a.lora_critic,
            "matmul_bf16_tflops_measured": matmul_tflops() if DEV == "cuda" else float("nan"),
            "peak_tflops_datasheet": H200_BF16_DENSE_TFLOPS, "variants": {}}
     policy = build_policy(a.shape, DEV, torch.bfloat16 if a.lora_actor else torch.float32, vocab=a.vocab)
@@ -210,9 +229,9 @@ def main() -> None:
     critic = _Values(lora_value_model(a.shape, DEV, a.lora_critic, seed=1, vocab=a.vocab) if a.lora_critic
                      else build_value_model(a.shape, DEV, seed=1, vocab=a.vocab))
     res["params"] = n_params(policy)
-    if DEV == "cuda":
-        compile_blocks(policy)
-        compile_blocks(critic.rm)
+    if DEV == "cuda" or a.compile != "blocks":
+        for m in (policy, critic.rm):
+            compile_as(m, a.compile)
     opt = torch.optim.AdamW([p for m in (policy, critic) for p in m.parameters() if p.requires_grad], lr=1e-7, fused=DEV == "cuda")
     exp = ragged_batch(B, P, N, a.vocab)
     cfg = llama_config(a.shape, vocab=a.vocab)
