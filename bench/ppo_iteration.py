@@ -216,23 +216,31 @@ def decode_step_numbers(fg, prompts, attn, kw, a) -> dict:
     return out
 
 
+def learn_epoch(policy, critic, opt, exp, n, mb):
+    """One PPO epoch over ``exp`` in minibatches of ``mb`` rows, one optimizer step each."""
+    for i in range(0, exp["seqs"].shape[0], mb):
+        learn_step(policy, critic, opt, {k: v[i:i + mb] for k, v in exp.items()}, n)
+
+
 def bench_learn(policy, critic, opt, exp, a, res, tag):
     cfg, B, N = policy.config, exp["seqs"].shape[0], a.new_tokens
+    mb = a.minibatch or B
     t0 = time.perf_counter()
-    learn_step(policy, critic, opt, exp, N)  # warm-up: optimizer state, cuBLAS, compilation
+    learn_epoch(policy, critic, opt, exp, N, mb)  # warm-up: optimizer state, cuBLAS, compilation
     sync()
     first = time.perf_counter() - t0
     reset_peak()
-    ts = time_reps(lambda: learn_step(policy, critic, opt, exp, N), a.learn_reps)
+    ts = time_reps(lambda: learn_epoch(policy, critic, opt, exp, N, mb), a.learn_reps)
     t = statistics.median(ts)
     tokens, L = exp["seqs"].numel(), exp["seqs"].shape[1]
-    flops = train_flops(cfg, tokens, L, B * (N + 1), cfg.vocab_size) + train_flops(cfg, tokens, L, B * L, 1)
-    res[tag] = {"s": t, "s_all": ts, "first_step_s": first, "tokens": tokens, "flops": flops, "tflops": flops / t / 1e12,
+    flops = (train_flops(cfg, tokens, L, B * (N + 1), cfg.vocab_size, frozen=bool(a.lora_actor))
+             + train_flops(cfg, tokens, L, B * L, 1))
+    res[tag] = {"s": t, "s_all": ts, "first_step_s": first, "minibatch": mb, "tokens": tokens, "flops": flops, "tflops": flops / t / 1e12,
                 "mfu_vs_datasheet": flops / t / 1e12 / H200_BF16_DENSE_TFLOPS,
                 "mfu_vs_measured_matmul": flops / t / 1e12 / res["matmul_bf16_tflops_measured"],
                 "train_tokens_per_s": tokens / t, "peak_gib": peak_gib()}
     if a.profile:
-        res[tag]["top_kernels"] = profile_top(lambda: learn_step(policy, critic, opt, exp, N), 2, a.profile_rows)
+        res[tag]["top_kernels"] = profile_top(lambda: learn_epoch(policy, critic, opt, exp, N, mb), 2, a.profile_rows)
 
 
 def main() -> None:
@@ -248,7 +256,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=None, help="vocabulary size of the random models (default: the shape's, bench/common.py; the PPO stage bench's built-in tokenizer: 512)")
     ap.add_argument("--lora-actor", type=int, default=0, help="rank of a LoRA actor (bf16 base, fp32 adapter on every linear layer, as the PPO stage's actor); 0: a full fp32-master policy")
     ap.add_argument("--epochs", type=int, default=1, help="PPO epochs over each rollout in the iteration")
-    ap.add_argument("--minibatch", type=int, default=None, help="rows per optimizer step in the iteration (default: the whole batch)")
+    ap.add_argument("--minibatch", type=int, default=None, help="rows per optimizer step in the learn bench and the iteration (default: the whole batch)")
     ap.add_argument("--attention", default="", help="decode attention variants to time side by side on the bf16 policy, "
                     "comma-separated FastGenerator attention= values (e.g. sdpa,triton)")
     ap.add_argument("--pack-tokens", type=int, default=0, help="ppo.pack_tokens of the learn and scoring forwards (0: unpacked, the attended columns)")
@@ -311,8 +319,7 @@ def main() -> None:
             exp = make_experience(policy, ref, critic, rm, rollout, N, e)
         with timed(s, "learn"):
             for _ in range(a.epochs):
-                for i in range(0, B, mb):
-                    learn_step(policy, critic, opt, {k: v[i:i + mb] for k, v in exp.items()}, N)
+                learn_epoch(policy, critic, opt, exp, N, mb)
         s["total"] = sum(s.values())
         splits.append(s)
         parts.append(e)

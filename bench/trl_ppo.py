@@ -3,8 +3,9 @@ shape, batch and lengths as bench/ppo_iteration.py, for the side-by-side samples
 
     python bench/trl_ppo.py --shape 0.4b --batch 64 --prompt-len 128 --new-tokens 128 --iters 3 --out trl.json
 
-One PPO epoch over one minibatch of the whole rollout (as ours); policy / ref / value / reward of
-the same Llama shape, fp32 weights with bf16 autocast (``bf16=True``). Iteration times come from
+One PPO epoch over the rollout in minibatches of ``--minibatch`` rows (default: the whole batch, as
+ours); policy / ref / value / reward of the same Llama shape, fp32 weights with bf16 autocast
+(``bf16=True``); ``--gradient-checkpointing`` where the activations do not fit. Iteration times come from
 ``on_step_end``; the first iteration is warm-up and is not counted.
 """
 
@@ -35,6 +36,9 @@ def word_tokenizer():
 def main() -> None:
     ap = workload_args(__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--minibatch", type=int, default=None, help="rows per optimizer step (TRL's num_mini_batches = batch / minibatch); "
+                    "default: the whole batch")
+    ap.add_argument("--gradient-checkpointing", action="store_true")
     a = ap.parse_args()
 
     import trl
@@ -65,7 +69,8 @@ def main() -> None:
 
     cfg = PPOConfig(
         output_dir=tempfile.mkdtemp(), per_device_train_batch_size=a.batch, gradient_accumulation_steps=1,
-        num_mini_batches=1, num_ppo_epochs=1, local_rollout_forward_batch_size=a.batch,
+        num_mini_batches=a.batch // (a.minibatch or a.batch), num_ppo_epochs=1, local_rollout_forward_batch_size=a.batch,
+        gradient_checkpointing=a.gradient_checkpointing,
         response_length=a.new_tokens, total_episodes=n_rows, bf16=device == "cuda", report_to=[],
         save_strategy="no", num_sample_generations=0, logging_steps=10_000, stop_token=None,
         missing_eos_penalty=None, temperature=1.0, learning_rate=1e-6, dataloader_drop_last=True,
@@ -81,7 +86,8 @@ def main() -> None:
     per_iter = sorted(timed)[len(timed) // 2]
     res = {
         "machine": machine(), "trl": trl.__version__, "shape": a.shape, "batch": a.batch,
-        "prompt_len": a.prompt_len, "new_tokens": a.new_tokens, "iter_s_all": steps,
+        "prompt_len": a.prompt_len, "new_tokens": a.new_tokens, "minibatch": a.minibatch or a.batch,
+        "gradient_checkpointing": a.gradient_checkpointing, "iter_s_all": steps,
         "iter_s_median": per_iter, "samples_per_s": a.batch / per_iter,
         "new_tokens_per_s_end_to_end": a.batch * a.new_tokens / per_iter, "peak_gib": peak_gib(),
     }
