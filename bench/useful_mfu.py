@@ -80,7 +80,8 @@ def epoch(policy, critic, opt, exp: dict, order: torch.Tensor, mb: int, N: int, 
         phases[key + "_host"] = phases.get(key + "_host", 0.0) + issued - t
 
     for rows in order.split(mb):  # the policy's batch given on the CPU, as the stage's learner has it from Ray
-        e = {k: v[rows.to(DEV)] for k, v in exp.items() if not k.endswith("_cpu")}
+        idx = rows.to(DEV, non_blocking=True)  # one copy a minibatch, not one a tensor (each a host sync)
+        e = {k: v[idx] for k, v in exp.items() if not k.endswith("_cpu")}
         with lap("forward_s"), torch.autocast(DEV, dtype=torch.bfloat16, enabled=DEV == "cuda"):
             logp = action_logprobs(policy, exp["seqs_cpu"][rows], exp["attn_cpu"][rows], N, pack_tokens=pack_tokens, device=DEV)
             pl = ppo_clip_loss(logp, e["old_logp"], e["adv"], e["amask"])
