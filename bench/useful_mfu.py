@@ -158,10 +158,14 @@ def compile_as(model, how: str) -> None:
     replayed as CUDA graphs, per input shape), 'body' (the decoder body, embeddings, masks,
     rotary and all blocks, as one graph; the LM head / value head eager), 'none'."""
     from tasks.common.model import transformer_blocks
+    from tasks.ppo.group import compile_blocks
 
-    if how in ("blocks", "blocks-graphs"):
+    if how == "blocks":
+        compile_blocks(model)
+    elif how == "blocks-graphs":
+        compile_blocks(model)  # the stage's recompile limit
         for block in transformer_blocks(model):
-            block.compile(**({"mode": "reduce-overhead"} if how == "blocks-graphs" else {}))
+            block.compile(mode="reduce-overhead")
     elif how == "body":
         blocks = transformer_blocks(model)
         body = next(m for m in model.modules() if any(x is blocks[0] for x in getattr(m, "layers", ())))

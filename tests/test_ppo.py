@@ -114,6 +114,40 @@ def test_compiled_blocks_compile_once_and_match_eager():
     torch.testing.assert_close(grads[1][0], grads[0][0], rtol=1e-5, atol=1e-5)
     for n, g in grads[0][1].items():
         torch.testing.assert_close(grads[1][1][n], g, rtol=1e-4, atol=1e-5, msg=n)
+    # the rest of the actor's calls: experience without grad, the shared reference (adapters off),
+    # other widths (dynamic shapes), packed rows: 8 versions of the one graph, dynamo's default
+    # limit. One more, here a second model of the same layer class in the process (the benches'
+    # policy beside their critic), would run eagerly without compile_blocks' raised limit.
+    short = (ids[:, 3:], mask[:, 3:])
+
+    def calls(m) -> list:
+        out = []
+        with torch.no_grad():
+            out.append(action_logprobs(m, ids, mask, 5))
+            with m.disable_adapter():
+                out.append(action_logprobs(m, ids, mask, 5))
+        logp = action_logprobs(m, *short, 5)
+        logp.sum().backward()
+        out.append(logp.detach())
+        with torch.no_grad():
+            out.append(action_logprobs(m, *short, 5))
+            with m.disable_adapter():
+                out.append(action_logprobs(m, *short, 5))
+            out.append(action_logprobs(m, ids, mask, 5, pack_tokens=16))
+        logp = action_logprobs(m, ids, mask, 5, pack_tokens=16)
+        logp.sum().backward()
+        return [*out, logp.detach()]
+
+    for got, want in zip(calls(models[1]), calls(models[0]), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.manual_seed(2)
+    plain = [LlamaForCausalLM(base.config).eval()]
+    plain.append(copy.deepcopy(plain[0]))
+    graphs = counters["stats"]["unique_graphs"]
+    compile_blocks(plain[1])
+    with torch.no_grad():
+        torch.testing.assert_close(action_logprobs(plain[1], ids, mask, 5), action_logprobs(plain[0], ids, mask, 5), rtol=1e-5, atol=1e-5)
+    assert graphs >= 8 and counters["stats"]["unique_graphs"] > graphs, dict(counters["stats"])
 
 
 def test_prompt_sampler_position_is_its_state():

@@ -267,6 +267,9 @@ class DistributedWorker:
 
 # ----------------------------------------------------------------------------- strategies
 
+RECOMPILE_LIMIT = 64
+
+
 def compile_blocks(model) -> int:
     """Regional compilation: ``torch.compile`` every transformer block of ``model`` in place.
 
@@ -274,7 +277,18 @@ def compile_blocks(model) -> int:
     24-layer model costs one layer's compile; the mask building and the loss around the blocks
     stay eager. Forwards must pass ``use_cache=False``: a KV cache's per-layer index would force
     one compile per layer. Returns the number of blocks compiled.
+
+    That graph has a version per way the process calls it: with and without grad, the first block
+    apart under a frozen embedding (its input needs no grad), a LoRA model's adapters on and off
+    (the shared reference), static then dynamic shapes: the actor alone makes 8, dynamo's default
+    limit, past which every new one silently runs eagerly (packed rows beside unpacked ones, or a
+    second model of the same layer class in the process: ``hit config.recompile_limit (8)`` in
+    bench/useful_mfu.py on an H100, whose next variant then ran eagerly). The limit is raised to
+    ``RECOMPILE_LIMIT``.
     """
+    import torch._dynamo
+
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     blocks = transformer_blocks(model)
     for block in blocks:
         block.compile()
