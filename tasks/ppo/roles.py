@@ -196,7 +196,7 @@ class PolicyWorker(_LearnerMixin, DistributedWorker):
             from tasks.ppo.generation import packs
 
             if not packs(base):
-                logging.getLogger("rlhf.ppo").warning(
+                logging.getLogger("rlhf.ppo").info(
                     "ppo.pack_tokens %d: %s (%s) cannot take packed rows (remote code, or no position_ids), so every "
                     "forward of this run is unpacked", ppo.pack_tokens, type(base).__name__, type(base).__module__)
         adapter = str(store.fetch(sft) / "adapter")
