@@ -24,12 +24,25 @@ import time
 from pathlib import Path
 
 RAY = str(Path(sys.executable).parent / "ray")
+PORT_FLAGS = ("--node-manager-port", "--object-manager-port", "--dashboard-agent-listen-port", "--dashboard-agent-grpc-port",
+              "--runtime-env-agent-port", "--metrics-export-port")  # a node's own ports, each picked free
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(n: int, avoid: set[int] = frozenset()) -> list[int]:
+    """``n`` distinct free ports on 127.0.0.1, none in ``avoid``: all held open while picked, since a
+    port freed and asked for again can come back (a node given one port for two of its components
+    fails to start: "trying to use a port number ... that is used by other components")."""
+    while True:
+        socks = [socket.socket() for _ in range(n)]
+        try:
+            for s in socks:
+                s.bind(("127.0.0.1", 0))
+            ports = [s.getsockname()[1] for s in socks]
+        finally:
+            for s in socks:
+                s.close()
+        if not avoid.intersection(ports):
+            return ports
 
 
 def session_pids(sid: int) -> list[int]:
@@ -55,7 +68,7 @@ class RayNodes:
     def __init__(self, worker_cpus: list[float], head_cpus: float = 0, env: dict | None = None):
         self.tmp = Path(tempfile.mkdtemp(prefix="rlhf-cl-", dir="/tmp"))  # short: Ray's socket paths have a length limit
         self.temp_dir = self.tmp / "ray"  # what RAY_TMPDIR=self.tmp makes Ray look in
-        self.port = free_port()
+        self.port = free_ports(1)[0]
         self.address = f"127.0.0.1:{self.port}"
         self.env = {k: v for k, v in (env or os.environ).items() if k not in ("RAY_ADDRESS", "PYTHONPATH")}
         self.env.update(RAY_TMPDIR=str(self.tmp), RAY_USAGE_STATS_ENABLED="0")
@@ -68,11 +81,12 @@ class RayNodes:
     def _start(self, name: str, cpus: float, *head_args: str) -> None:
         cwd = self.tmp / name
         cwd.mkdir(exist_ok=True)
+        ports = [str(p) for p in free_ports(len(PORT_FLAGS) + 1, avoid={self.port})]
+        if "--head" in head_args:
+            head_args = (*head_args, "--ray-client-server-port", ports[-1])
         args = [RAY, "start", "--node-ip-address", "127.0.0.1", "--temp-dir", str(self.temp_dir),
                 "--num-cpus", str(cpus), "--resources", json.dumps({name: 1}), "--disable-usage-stats",
-                "--node-manager-port", str(free_port()), "--object-manager-port", str(free_port()),
-                "--dashboard-agent-listen-port", str(free_port()), "--dashboard-agent-grpc-port", str(free_port()),
-                "--runtime-env-agent-port", str(free_port()), "--metrics-export-port", str(free_port()),
+                *(x for pair in zip(PORT_FLAGS, ports) for x in pair),
                 "--object-store-memory", str(200 * 2**20), *head_args]
         log = open(self.tmp / f"{name}.start.log", "w")
         proc = subprocess.Popen(args, cwd=cwd, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -81,8 +95,7 @@ class RayNodes:
         self.nodes[name] = proc.pid  # the session id of the daemons it left
 
     def start(self) -> "RayNodes":
-        self._start("head", self.head_cpus, "--head", "--port", str(self.port), "--include-dashboard", "false",
-                    "--ray-client-server-port", str(free_port()))
+        self._start("head", self.head_cpus, "--head", "--port", str(self.port), "--include-dashboard", "false")
         for k, cpus in enumerate(self.worker_cpus, 1):
             self._start(f"node_{k}", cpus, "--address", self.address)
         return self
