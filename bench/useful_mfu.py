@@ -40,6 +40,7 @@ from bench.common import (H200_BF16_DENSE_TFLOPS, build_policy, build_value_mode
                           write_json)
 from tasks.ppo.generation import action_logprobs  # noqa: E402
 from tasks.ppo.losses import ppo_clip_loss, value_loss  # noqa: E402
+from tasks.ppo import packing  # noqa: E402
 from tasks.ppo.packing import pack  # noqa: E402
 from tasks.ppo.padding import attended_span, length_order  # noqa: E402
 from tasks.ppo.roles import _Values  # noqa: E402
@@ -175,10 +176,11 @@ def compile_as(model, how: str) -> None:
 
 
 def work(cfg, exp: dict, order: torch.Tensor, mb: int, N: int, pack_tokens: int = 0, lora_actor: bool = False,
-         lora_critic: bool = False) -> dict:
+         lora_critic: bool = False, varlen: bool = True) -> dict:
     """Tokens and FLOPs of one epoch: real ones, and those the cut (or packed) minibatches compute
-    (a packed bin attends over all its C columns: SDPA's masked kernels skip no block); a LoRA
-    model's frozen base counts no weight gradients (``train_flops``)."""
+    (packed: a token attends over its own sequence, varlen, or over all C columns of its bin under
+    the block-diagonal mask, whose kernels skip no block); a LoRA model's frozen base counts no
+    weight gradients (``train_flops``)."""
     real_tokens = int(exp["attn"].sum())
     real_len = real_tokens / len(exp["attn"])
     real_actions = int(exp["amask"].sum())
@@ -187,10 +189,12 @@ def work(cfg, exp: dict, order: torch.Tensor, mb: int, N: int, pack_tokens: int 
     computed_tokens, computed = 0, 0.0
     for rows in order.split(mb):
         if pack_tokens:
-            R, C = pack(exp["seqs_cpu"][rows], exp["attn_cpu"][rows], pack_tokens).input_ids.shape
+            p = pack(exp["seqs_cpu"][rows], exp["attn_cpu"][rows], pack_tokens)
+            R, C = p.input_ids.shape
             t, k = R * C, int(exp["amask"][rows].sum())
+            span = t / (len(p.cu_seqlens) - 1) if varlen else C  # the mean sequence, or the bin
             computed_tokens += t
-            computed += train_flops(cfg, t, C, k, cfg.vocab_size, lora_actor) + train_flops(cfg, t, C, t, 1, lora_critic)
+            computed += train_flops(cfg, t, span, k, cfg.vocab_size, lora_actor) + train_flops(cfg, t, span, t, 1, lora_critic)
             continue
         s = attended_span(exp["attn_cpu"][rows], N)
         t = len(rows) * (s.stop - s.start)
@@ -210,7 +214,8 @@ def main() -> None:
     ap.add_argument("--lora-critic", type=int, default=0, help="rank of a LoRA critic on a frozen bf16 body (ppo.critic_lora_rank); 0: full fp32-master")
     ap.add_argument("--variants", default="rollout_order,bucket_by_length,packed256,packed512,packed1024,packed512_bucket",
                     help="rollout_order / bucket_by_length: unpacked, minibatches in rollout order / by length_order; "
-                    "packedC: rows packed into bins of C columns (ppo.pack_tokens C), rollout order; packedC_bucket: by length_order")
+                    "packedC: rows packed into bins of C columns (ppo.pack_tokens C), rollout order, varlen attention; packedC_bucket: by "
+                    "length_order; packedC-mask: the bins' attention under transformers' block-diagonal mask (tasks/ppo/packing.py VARLEN off)")
     ap.add_argument("--profile-variants", default="rollout_order,packed1024", help="with --profile: these variants too")
     ap.add_argument("--compile", default="blocks", help="how the models are compiled (CUDA; elsewhere only when not 'blocks'): "
                     "blocks (the stage's), blocks-graphs, body, none (see compile_as)")
@@ -241,14 +246,16 @@ def main() -> None:
     exp = ragged_batch(B, P, N, a.vocab)
     cfg = llama_config(a.shape, vocab=a.vocab)
     orders = {"rollout_order": torch.arange(B), "bucket_by_length": length_order(exp["attn_cpu"], N, mb)}
-    variants = {}
+    variants, varlen = {}, {}
     for v in a.variants.split(","):
         if v in orders:
             variants[v] = (orders[v], 0)
-        else:  # packedC or packedC_bucket
-            c, _, by = v.removeprefix("packed").partition("_")
+        else:  # packedC, packedC_bucket, packedC-mask
+            c, _, by = v.removeprefix("packed").removesuffix("-mask").partition("_")
             variants[v] = (orders["bucket_by_length" if by else "rollout_order"], int(c))
+            varlen[v] = not v.endswith("-mask")
     for name, (order, pk) in variants.items():
+        packing.VARLEN = varlen.get(name, True)  # for this variant's epochs (and its profile below)
         t = {}
         with timed(t, "first_s"):
             epoch(policy, critic, opt, exp, order, mb, N, pack_tokens=pk)  # warm-up: compilation of this variant's widths, optimizer state
@@ -259,7 +266,7 @@ def main() -> None:
                 epoch(policy, critic, opt, exp, order, mb, N, pack_tokens=pk)
             ts.append(t["s"])
         s = statistics.median(ts)
-        w = work(cfg, exp, order, mb, N, pk, bool(a.lora_actor), bool(a.lora_critic))
+        w = work(cfg, exp, order, mb, N, pk, bool(a.lora_actor), bool(a.lora_critic), varlen.get(name, True))
         peak = H200_BF16_DENSE_TFLOPS * 1e12
         res["variants"][name] = {**w, "s": s, "s_all": ts, "first_s": t["first_s"], "peak_gib": peak_gib(),
                                  "useful_mfu": w["useful_flops"] / s / peak, "computed_mfu": w["computed_flops"] / s / peak,
@@ -271,6 +278,7 @@ def main() -> None:
     if a.sync_debug and DEV == "cuda":
         res["host_syncs"] = {}
         for name, (order, pk) in variants.items():
+            packing.VARLEN = varlen.get(name, True)
             try:
                 sites = res["host_syncs"][name] = host_syncs(lambda: epoch(policy, critic, opt, exp, order, mb, N, pack_tokens=pk))
             except Exception as e:  # a diagnosis: record why it could not run, keep the numbers above
@@ -283,6 +291,7 @@ def main() -> None:
     if a.profile:  # the fastest variant, already warm
         best = min(res["variants"], key=lambda k: res["variants"][k]["s"])
         order, pk = variants[best]
+        packing.VARLEN = varlen.get(best, True)
         phases: dict = {}
         epoch(policy, critic, opt, exp, order, mb, N, phases, pk)
         split = {k: round(v, 4) for k, v in phases.items()}
@@ -291,6 +300,7 @@ def main() -> None:
         for name in dict.fromkeys([best, *a.profile_variants.split(",")]):
             if name in variants:
                 order, pk = variants[name]
+                packing.VARLEN = varlen.get(name, True)
                 prof = res["profile"][name] = top_ops(lambda: epoch(policy, critic, opt, exp, order, mb, N, pack_tokens=pk))
                 print(f"{name} under the profiler: {prof['wall_ms']} ms wall, {prof['kernel_ms']} ms of kernels "
                       f"({100 * prof['kernel_share_of_wall']:.0f}%): {prof['kernel_ms_by_kind']}", flush=True)

@@ -60,6 +60,10 @@ def test_pack_invariants_on_random_batches():
             if m[b].any():
                 run = p.index[b][m[b]]
                 assert torch.equal(run, torch.arange(int(run[0]), int(run[0]) + len(run))) and int(run[0]) // C == int(run[-1]) // C
+        # the sequences' starts for the varlen attention: each position 0 (rows' and tails'), then R * C
+        cu = p.cu_seqlens.long()
+        assert int(cu[0]) == 0 and int(cu[-1]) == R * C and bool((cu.diff() > 0).all()) and p.max_len == int(cu.diff().max())
+        assert torch.equal(cu[:-1], (p.position_ids.flatten() == 0).nonzero().squeeze(1)) and len(cu) - 1 == int((seg[:, -1] + 1).sum())
         # the places that predict actions: the token before each attended action
         a = action_positions(p, ro.attention_mask, 7)
         act = ro.attention_mask[:, -7:].bool()
@@ -102,6 +106,20 @@ def test_policy_forward_and_gradients_packed_equal_padded(arch, attn):
     for a, b in zip(g, g0):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
     assert torch.equal(action_logprobs(model, ro.sequences, ro.attention_mask, N, 0.7, 32).detach(), lp)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gemma2", "gpt2"])
+def test_packed_forwards_attend_through_the_varlen_function(arch):
+    """Every architecture above sends its attention to tasks/ppo/varlen.py in a packed forward:
+    without the sequences' starts that function refuses, so a model that silently kept its own
+    attention (and, with no mask built, attended across sequences) would fail here."""
+    from tasks.ppo.varlen import attend_packed
+
+    model = tiny(arch)
+    ro = ragged(B=5, P=8, N=4, V=64, seed=4)
+    p = pack(ro.sequences, ro.attention_mask, 16)
+    with attend_packed(model.config), pytest.raises(RuntimeError, match="runs only on packed rows"):
+        model(input_ids=p.input_ids, position_ids=p.position_ids)
 
 
 def test_lm_head_reads_only_the_positions_that_predict_actions():

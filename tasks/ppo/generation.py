@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 from typing import Callable, NamedTuple, Sequence
 
 import torch
@@ -172,10 +173,12 @@ def generate(
 
 def packs(model) -> bool:
     """Whether ``model``'s forward honours packed sequences (tasks/ppo/packing.py): a transformers
-    model (its masks come from ``masking_utils``, which reads sequence starts from the position
-    ids) that takes ``position_ids``. Remote code and position-free models (bloom's alibi) run padded."""
+    model that takes ``position_ids`` and whose attention layers call the attention function its
+    config names (``ALL_ATTENTION_FUNCTIONS``: tasks/ppo/varlen.py serves there). Remote code and
+    position-free models (bloom's alibi) run padded."""
     cls = type(_unwrap(model))
-    return cls.__module__.startswith("transformers.models.") and "position_ids" in _forward_params(cls)
+    return (cls.__module__.startswith("transformers.models.") and "position_ids" in _forward_params(cls)
+            and hasattr(sys.modules[cls.__module__], "ALL_ATTENTION_FUNCTIONS"))
 
 
 def _per_position(fn: Callable, logits: Tensor, *rest: Tensor, rows: int = 1024) -> Tensor:
@@ -201,7 +204,7 @@ def _action_logits(model, sequences: Tensor, attention_mask: Tensor, num_actions
     n <= N when every row stopped early."""
     dev = sequences.device if device is None else torch.device(device)
     if pack_tokens and packs(model):
-        from tasks.ppo.packing import action_positions, head_on, pack
+        from tasks.ppo.packing import action_positions, forward_packed, head_on, pack
 
         p = pack(sequences, attention_mask, pack_tokens, device=dev)
         places = action_positions(p, attention_mask, num_actions)  # (B, N) on the CPU
@@ -209,8 +212,9 @@ def _action_logits(model, sequences: Tensor, attention_mask: Tensor, num_actions
         which = valid.flatten().nonzero().squeeze(1).to(dev, non_blocking=True)  # the flat (row * N + action) of each kept action
         keep = places[valid].to(dev, non_blocking=True)
         actions = sequences[:, -num_actions:].to(dev, non_blocking=True).flatten()[which]
-        with head_on(_unwrap(model).get_output_embeddings(), keep) as ran:
-            logits = model(input_ids=p.input_ids, position_ids=p.position_ids, use_cache=False).logits
+        base = _unwrap(model)
+        with head_on(base.get_output_embeddings(), keep) as ran, forward_packed(base.config, p) as kw:
+            logits = model(input_ids=p.input_ids, use_cache=False, **kw).logits
         logits = logits[0] if ran else logits.reshape(-1, logits.shape[-1])[keep]
 
         def restore(x: Tensor) -> Tensor:

@@ -8,10 +8,13 @@ contiguous run: prompt, then response up to its stop) into bins of ``capacity`` 
 by decreasing length; each token keeps its position (its row's mask cumsum, so a sequence starts
 at 0 in its bin). The model runs on the bins with ``position_ids`` and no attention mask, and
 transformers reads a position that does not continue the previous one as the start of a new
-sequence (``masking_utils.find_packed_sequence_indices``): the attention of every kernel (SDPA,
-eager, flex, flash's varlen) stays within a sequence, so each token's output equals the padded
-forward's up to summation order. A bin's unused tail is one more sequence of pad ids from
-position 0, read by nobody (no query row is fully masked: cuDNN's NaN of issue 18 cannot arise).
+sequence (``masking_utils.find_packed_sequence_indices``) and builds a block-diagonal mask. The
+forwards here go further (``forward_packed``): they carry each sequence's start
+(``Packed.cu_seqlens``) and run the attention of tasks/ppo/varlen.py, which on the GPU visits only
+each sequence's own key blocks (the flash varlen kernel) instead of every column pair of a bin.
+Either way each token's output equals the padded forward's up to summation order. A bin's unused
+tail is one more sequence of pad ids from position 0, read by nobody (no query row is fully
+masked: cuDNN's NaN of issue 18 cannot arise).
 
 ``Packed.index`` maps every attended (row, column) of the batch to its flat place in the bins, so
 per-token outputs come back as (B, ...) with ``unpack``; ``action_positions`` gives the places
@@ -29,11 +32,17 @@ from torch import Tensor
 
 from tasks.ppo.padding import MULTIPLE
 
+VARLEN = True  # False: the forwards give transformers only the position restarts and it masks each bin
+# densely (what packing did before tasks/ppo/varlen.py; bench/useful_mfu.py's 'packedN-mask' variants set it)
+
 
 class Packed(NamedTuple):
     input_ids: Tensor     # (R, C) the bins
     position_ids: Tensor  # (R, C) each token's position in its own sequence
     index: Tensor         # (B, L) long, on the CPU: flat place (into R * C) of each attended token; -1 elsewhere
+    cu_seqlens: Tensor    # (S + 1,) int32: where each of the S sequences of the flat R * C places starts (bin tails
+    #                       included), then R * C; on the bins' device
+    max_len: int          # the longest of them
 
 
 def bins_first_fit(lengths: list[int], capacity: int) -> tuple[list[int], list[int], list[int]]:
@@ -93,10 +102,26 @@ def pack(sequences: Tensor, attention_mask: Tensor, capacity: int, multiple: int
     source = torch.full((R * C,), -1)  # the flat (row * L + column) of the token at each place
     flat = index[mask]
     position_ids[flat], source[flat] = pos[mask], mask.flatten().nonzero().squeeze(1)
+    cu = torch.cat([(position_ids == 0).nonzero().squeeze(1), torch.tensor([R * C])])  # every sequence starts at 0
     source = source.to(dev, non_blocking=True)
     tokens = sequences.to(dev, non_blocking=True).flatten()[source.clamp_min(0)]
     input_ids = torch.where(source >= 0, tokens, 0)  # a bin's tail: id 0, read by nobody
-    return Packed(input_ids.view(R, C), position_ids.view(R, C).to(dev, non_blocking=True), index)
+    return Packed(input_ids.view(R, C), position_ids.view(R, C).to(dev, non_blocking=True), index,
+                  cu.to(torch.int32).to(dev, non_blocking=True), int(cu.diff().max()))
+
+
+@contextlib.contextmanager
+def forward_packed(config, p: Packed):
+    """Yields the keyword arguments of a forward on the bins of ``p`` (positions; with ``VARLEN``
+    the sequences' starts, under transformers' flash names) and, while in this context, has the
+    model whose ``config`` this is attend within those sequences (tasks/ppo/varlen.py)."""
+    if not VARLEN:
+        yield {"position_ids": p.position_ids}
+        return
+    from tasks.ppo.varlen import attend_packed
+
+    with attend_packed(config):
+        yield {"position_ids": p.position_ids, "cu_seq_lens_q": p.cu_seqlens, "max_length_q": p.max_len}
 
 
 def unpack(x: Tensor, index: Tensor) -> Tensor:

@@ -51,7 +51,7 @@ from tasks.ppo.experience import NONFINITE_ADVICE, Experience
 from tasks.ppo.fast_generate import fast_generate_applies
 from tasks.ppo.group import (DistributedWorker, agree_finished, as_returns, compile_blocks, full_state, load_full_state, load_trainable,
                              plain_copy, prime_cpu_adam, wants_compile, wrap_learner)
-from tasks.ppo.packing import action_positions, pack, unpack
+from tasks.ppo.packing import action_positions, forward_packed, pack, unpack
 from tasks.ppo.padding import attended_span, cut, logit_rows, pad_actions, score_together
 
 
@@ -400,13 +400,14 @@ def score_rows(rm, rollout, pack_tokens: int, device: str, head=None) -> Tensor:
     """``rm``'s score (B,) of each rollout row at its last attended token, fp32 on the CPU: the real
     tokens packed (tasks/ppo/packing.py, ``ppo.pack_tokens``) or the attended columns only
     (tasks/ppo/padding.py)."""
-    from tasks.ppo.generation import packs
+    from tasks.ppo.generation import _unwrap, packs
 
     seqs, attn = rollout.sequences, rollout.attention_mask
     if pack_tokens and packs(rm.body):
         p = pack(seqs, attn, pack_tokens, device=device)
         last = p.index.amax(1).to(device, non_blocking=True)
-        return rm.values(p.input_ids, None, head, p.position_ids).reshape(-1)[last].float().cpu()
+        with forward_packed(_unwrap(rm.body).config, p) as kw:
+            return rm.values(p.input_ids, None, head, **kw).reshape(-1)[last].float().cpu()
     span = attended_span(attn, rollout.action_mask.shape[1])  # no forward on all-pad columns
     return rm(cut(seqs, span).to(device), cut(attn, span).to(device), head=head).float().cpu()
 
@@ -428,7 +429,7 @@ class _Values(torch.nn.Module):
         if self.pack_tokens and packs(self.rm.body):
             p = pack(input_ids, attention_mask, self.pack_tokens, device=dev)
             states = action_positions(p, attention_mask, num_actions).to(dev, non_blocking=True)
-            return p.input_ids, None, num_actions, (p.position_ids, states)
+            return p.input_ids, None, num_actions, (p._replace(index=None), states)  # index: CPU-side, not the forward's
         span = attended_span(attention_mask, num_actions)
         return cut(input_ids, span).to(dev, non_blocking=True), cut(attention_mask, span).to(dev, non_blocking=True), num_actions, span
 
@@ -436,13 +437,16 @@ class _Values(torch.nn.Module):
         """Values (B, N) of the states before the actions: values[t] estimates the return after
         token t, so the state before action a_t is t - 1. Without ``layout``, of the batch
         (``inputs`` on its device); with it, the arguments are ``inputs``' own: the cut columns
-        (``layout`` a Span) or the bins (attention_mask None, ``layout`` their position ids and the
-        (B, N) places of the states)."""
+        (``layout`` a Span) or the bins (attention_mask None, ``layout`` their Packed and the (B, N)
+        places of the states)."""
         if layout is None:
             input_ids, attention_mask, num_actions, layout = self.inputs(input_ids, attention_mask, num_actions, input_ids.device)
         if attention_mask is None:
-            position_ids, states = layout
-            return unpack(self.rm.values(input_ids, None, position_ids=position_ids).float(), states)
+            from tasks.ppo.generation import _unwrap
+
+            p, states = layout
+            with forward_packed(_unwrap(self.rm.body).config, p) as kw:
+                return unpack(self.rm.values(input_ids, None, **kw).float(), states)
         values = self.rm.values(input_ids, attention_mask)
         return pad_actions(values[:, -layout.actions - 1:-1].float(), layout)
 

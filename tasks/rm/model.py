@@ -54,16 +54,14 @@ class RewardModel(nn.Module):
         self._no_cache = {"use_cache": False} if "use_cache" in params else {}
 
     def values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, head: nn.Module | None = None,
-               position_ids: torch.Tensor | None = None) -> torch.Tensor:
+               **packed) -> torch.Tensor:
         """(B, T) ids and 0/1 mask -> (B, T) float: the head's output at every token (``head``:
         another head on the same body, e.g. the frozen reward head beside a LoRA critic's).
-        Positions come from the mask; or, for packed rows (tasks/ppo/packing.py), mask None and
-        ``position_ids`` given, each sequence starting at 0."""
+        Positions come from the mask; or, for packed rows, mask None and ``packed`` the forward's
+        keyword arguments (``position_ids`` and more: tasks/ppo/packing.py ``forward_packed``)."""
         head = self.head if head is None else head
-        kwargs = dict(self._no_cache)
-        if position_ids is not None:
-            kwargs["position_ids"] = position_ids
-        elif self._positions:
+        kwargs = {**self._no_cache, **packed}
+        if not packed and self._positions:
             kwargs["position_ids"] = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         hidden = self.body(input_ids=input_ids, attention_mask=attention_mask, **kwargs).last_hidden_state
         return head(hidden.to(head.weight.dtype)).squeeze(-1)

@@ -1,0 +1,80 @@
+"""tasks/ppo/varlen.py: attention over packed sequences by their boundaries.
+
+Against each sequence attended alone (SDPA on its own rows, is_causal), forward and gradients,
+over GQA groups, head dims, sliding windows and softcapping, on this machine's device: on a GPU
+in bf16 that is the flash varlen kernel (the path the learners take there), on the CPU in fp32
+the masked dense path. tests/test_packing.py checks whole models packed against padded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as T
+
+from tasks.ppo.varlen import _flash_runs, attend_packed, packed_attention
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+TOL = dict(rtol=2e-2, atol=2e-2) if DTYPE == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+
+
+class Layer(torch.nn.Module):
+    is_causal = True
+
+
+def alone(q, k, v, cu, scale, window=None, softcap=None):
+    """Each sequence of the flat (T, H, D) q / (T, Hkv, D) k, v by itself, fp32, -> (T, H, D)."""
+    g = q.shape[1] // k.shape[1]
+    out = []
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        qs, ks, vs = (t[a:b].transpose(0, 1).float() for t in (q, k, v))
+        ks, vs = ks.repeat_interleave(g, 0), vs.repeat_interleave(g, 0)
+        s = qs @ ks.transpose(1, 2) * scale
+        if softcap:
+            s = torch.tanh(s / softcap) * softcap
+        i = torch.arange(b - a, device=q.device)
+        keep = i[:, None] >= i[None, :]
+        if window:
+            keep &= i[:, None] - i[None, :] < window
+        out.append((s.masked_fill(~keep, float("-inf")).softmax(-1) @ vs).transpose(0, 1))
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("H, Hkv, D, window, softcap", [(4, 4, 64, None, None), (8, 2, 128, None, None),
+                                                         (6, 3, 80, 5, None), (4, 2, 32, None, 30.0)])
+def test_packed_attention_equals_each_sequence_alone(H, Hkv, D, window, softcap):
+    torch.manual_seed(0)
+    R, C = 3, 40
+    lengths = [17, 9, 14, 1, 24, 15, 3, 33, 4]  # each bin's sequences (the last one of a bin its tail): 40 + 40 + 40
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    assert int(cu[-1]) == R * C
+    q = torch.randn(R, H, C, D, device=DEVICE, dtype=DTYPE, requires_grad=True)
+    k, v = (torch.randn(R, Hkv, C, D, device=DEVICE, dtype=DTYPE, requires_grad=True) for _ in range(2))
+    scale = D ** -0.5
+    with attend_packed(T.LlamaConfig()):  # registers the function and reads the GPU's generation, as a packed forward does
+        pass
+    out, none = packed_attention(Layer(), q, k, v, None, scaling=scale, cu_seq_lens_q=cu, max_length_q=max(lengths),
+                                 sliding_window=window, softcap=softcap)
+    assert none is None and out.shape == (R, C, H, D)
+    assert _flash_runs(q, softcap) == (DEVICE == "cuda" and softcap is None)
+    flat = lambda t: t.transpose(1, 2).reshape(R * C, t.shape[1], D)  # noqa: E731
+    want = alone(flat(q), flat(k), flat(v), cu, scale, window, softcap)
+    torch.testing.assert_close(out.reshape(R * C, H, D).float(), want, **TOL)
+    grad = torch.randn_like(want)
+    got = torch.autograd.grad(out.reshape(R * C, H, D).float(), (q, k, v), grad)
+    ref = torch.autograd.grad(want, (q, k, v), grad)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a.float(), b.float(), **TOL)
+
+
+def test_outside_a_packed_forward_it_refuses_and_the_model_gets_its_attention_back():
+    q = torch.zeros(1, 2, 4, 8)
+    with pytest.raises(RuntimeError, match="runs only on packed rows"):
+        packed_attention(Layer(), q, q, q, None)
+    with pytest.raises(ValueError, match="attention sinks.*ppo.pack_tokens=0"):
+        packed_attention(Layer(), q, q, q, None, cu_seq_lens_q=torch.tensor([0, 4]), max_length_q=4, s_aux=torch.zeros(2))
+    config = T.LlamaConfig()
+    config._attn_implementation = "sdpa"
+    with attend_packed(config):
+        assert config._attn_implementation == "rlhf_packed"
+    assert config._attn_implementation == "sdpa"
