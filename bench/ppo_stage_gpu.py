@@ -15,7 +15,7 @@ iterations); ``0.3b`` is a random-weight Llama (bench/common.py's 0.4b shape, d 
 MLP 2816, with the built-in 512-token vocabulary instead of 32000, so 0.31B parameters) saved
 with the built-in tokenizer as a local ``model.pretrain``, short SFT / RM, and PPO at batch 64
 with 64 new tokens (ppo.compile 'auto': the learners' blocks compiled); ``0.3b-plain`` is the
-same PPO with ppo.fast_generate 'off', ``0.3b-eager`` with ppo.compile 'off', ``0.3b-fsdp`` with
+same PPO with ppo.fast_generate 'off', ``0.3b-unpacked`` with ppo.pack_tokens 0, ``0.3b-eager`` with ppo.compile 'off', ``0.3b-fsdp`` with
 ppo.strategy 'fsdp', ``0.3b-fp32`` with model.dtype 'float32' (both eager), ``0.3b-anomaly`` is
 ``0.3b-eager`` with ppo.detect_anomaly (the first backward op that returns a NaN raises with the
 forward line that made it: how issue 18's NaN was found).
@@ -90,6 +90,7 @@ def runs(device: str, iters: int | None, big_model: str | None, pack_tokens: int
         rm = RewardConfig(device=device, max_steps=30, eval_every=30)
         out["0.3b"] = (model, sft, rm, big)
         out["0.3b-plain"] = (model, sft, rm, big.model_copy(update={"fast_generate": "off"}))
+        out["0.3b-unpacked"] = (model, sft, rm, big.model_copy(update={"pack_tokens": 0}))
         out["0.3b-eager"] = (model, sft, rm, big.model_copy(update={"compile": "off"}))
         out["0.3b-fsdp"] = (model, sft, rm, big.model_copy(update={"strategy": "fsdp", "compile": "off"}))
         out["0.3b-fp32"] = (model.model_copy(update={"dtype": "float32"}), sft, rm, big.model_copy(update={"compile": "off"}))
@@ -168,7 +169,7 @@ def table(results: dict) -> str:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    ap.add_argument("--runs", default="tiny,0.3b,0.3b-plain", help="comma-separated: tiny, 0.3b, 0.3b-plain, 0.3b-eager, 0.3b-fsdp, 0.3b-fp32, 0.3b-anomaly")
+    ap.add_argument("--runs", default="tiny,0.3b,0.3b-plain", help="comma-separated: tiny, 0.3b, 0.3b-plain, 0.3b-unpacked, 0.3b-eager, 0.3b-fsdp, 0.3b-fp32, 0.3b-anomaly")
     ap.add_argument("--iters", type=int, default=None, help="PPO iterations per run (default: tiny 10, 0.3b 4)")
     ap.add_argument("--big-shape", default="0.4b", choices=sorted(SHAPES), help="bench/common.py shape of the 0.3b runs (tiny: smoke run)")
     ap.add_argument("--pack-tokens", type=int, default=None, help="ppo.pack_tokens of every run (default: the config's)")
