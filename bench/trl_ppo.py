@@ -40,6 +40,9 @@ def main() -> None:
                     "default: the whole batch")
     ap.add_argument("--gradient-checkpointing", action="store_true")
     a = ap.parse_args()
+    if a.minibatch is not None and (a.minibatch < 1 or a.batch % a.minibatch):
+        ap.error(f"--minibatch {a.minibatch}: must be a positive divisor of --batch {a.batch} (TRL's num_mini_batches = batch / minibatch); "
+                 f"e.g. --minibatch {next(m for m in range(min(max(a.minibatch, 1), a.batch), 0, -1) if a.batch % m == 0)}")
 
     import trl
     from datasets import Dataset

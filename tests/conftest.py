@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -31,9 +30,10 @@ os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """One free port on 127.0.0.1 (tests/ray_nodes.py ``free_ports``: the one picker)."""
+    from tests.ray_nodes import free_ports
+
+    return free_ports(1)[0]
 
 
 def _wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None) -> None:
