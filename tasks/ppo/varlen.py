@@ -8,10 +8,10 @@ Here the forward also carries the bins' cumulative sequence lengths under the na
 own flash path reads (``cu_seq_lens_q`` / ``max_length_q``, FlashAttention's varlen convention),
 and ``packed_attention`` serves as the model's attention function while ``attend_packed`` holds:
 
-- CUDA, fp16 / bf16, head dim a multiple of 8 up to 256, no logit softcapping: aten's flash
-  varlen kernel (``torch.ops.aten._flash_attention_forward`` with cumulative lengths; torch's
-  autograd has its backward), which visits only the key blocks of each query's own sequence,
-  GQA without repeating K/V.
+- CUDA, fp16 / bf16 (or fp32 under half autocast), head dim a multiple of 8 up to 256, no logit
+  softcapping: aten's flash varlen kernel (``torch.ops.aten._flash_attention_forward`` with
+  cumulative lengths; torch's autograd has its backward), which visits only the key blocks of
+  each query's own sequence, GQA without repeating K/V.
 - anything else (CPU, fp32, Gemma 2's softcapping, other head dims): a dense masked attention per
   bin with the mask built from the same lengths (what transformers computed before).
 
@@ -33,9 +33,17 @@ FLASH_GPU: list[bool] = []  # [whether this process's GPU runs the flash kernel 
 # outside any compiled region: the attention function reads it as a constant
 
 
-def _flash_runs(query: Tensor, softcap: float | None) -> bool:
-    return (query.is_cuda and bool(FLASH_GPU and FLASH_GPU[0]) and query.dtype in HALF and softcap is None
-            and query.shape[-1] % 8 == 0 and query.shape[-1] <= 256)
+def _flash_dtype(query: Tensor, softcap: float | None) -> torch.dtype | None:
+    """The dtype the flash kernel runs this attention in, or None where it does not: the query's
+    if half, else under CUDA autocast its dtype (fp32 master weights under bf16 autocast give
+    fp32 queries: RoPE's fp32 cos / sin promote the bf16 projections; SDPA would cast them too)."""
+    if not (query.is_cuda and FLASH_GPU and FLASH_GPU[0] and softcap is None and query.shape[-1] % 8 == 0
+            and query.shape[-1] <= 256):
+        return None
+    if query.dtype in HALF:
+        return query.dtype
+    autocast = torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda")
+    return autocast if autocast in HALF else None
 
 
 def packed_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
@@ -56,8 +64,8 @@ def packed_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value:
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     scaling = D ** -0.5 if scaling is None else scaling
     window = sliding_window if sliding_window and sliding_window < max_length_q else None
-    if _flash_runs(query, softcap):
-        q, k, v = (t.transpose(1, 2).reshape(R * C, t.shape[1], D) for t in (query, key, value))
+    if (half := _flash_dtype(query, softcap)) is not None:
+        q, k, v = (t.transpose(1, 2).reshape(R * C, t.shape[1], D).to(half) for t in (query, key, value))
         side = {"window_size_left": window - 1, "window_size_right": 0} if window else {}
         out = torch.ops.aten._flash_attention_forward(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q,
                                                       dropout, causal, False, scale=scaling, **side)[0]
