@@ -14,16 +14,20 @@ from __future__ import annotations
 
 import ast
 import json
+import logging
 import os
 import subprocess
 import sys
+import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from tasks.common.dist import free_port, init_distributed, node_ip, placement_bundles
 from tasks.common.model import transformer_blocks
 from tasks.ppo.config import PPOConfig, RoleConfig
+
+log = logging.getLogger("rlhf.ppo")
 
 
 # ----------------------------------------------------------------------------- placement
@@ -161,6 +165,71 @@ def create_placement_groups(cfg: PPOConfig, timeout_s: float = 120) -> dict[str,
         raise TimeoutError(f"{shape} not placed within {timeout_s:g} s: resources are in use by other work; "
                            f"{has} in total, {_fmt(ray.available_resources())} free now")
     return {r: pg for r in cfg.started_roles}
+
+
+# Ray marks a lost node dead only once its health checks have failed, ~15 s with the defaults
+# (a check every 3 s, dead after 5 missed); the wait for that is bounded by this
+NODE_DEATH_WAIT_S = 60.0
+
+
+def actor_system_failure(err: BaseException | None):
+    """The RayActorError in ``err`` or its causes that is a failure of the actor's process or node
+    (unreachable, or died), not an exception raised in its ``__init__``; else None."""
+    from ray.exceptions import RayActorError
+
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, RayActorError) and not err.actor_init_failed:
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def start_roles_on_live_nodes(cfg: PPOConfig, start: Callable[[dict], dict],
+                              wait_s: float = NODE_DEATH_WAIT_S) -> tuple[dict, dict]:
+    """(placement groups, role groups): the roles placed (``create_placement_groups``) and
+    started (``start(pgs)`` returns the groups), placed a second time if a node was lost meanwhile.
+
+    Why: a lost node counts as alive until Ray's health checks mark it dead (~15 s by default),
+    and a Prefect retry of this stage comes sooner (2 s by default), so its roles could be placed
+    on that node and be unreachable (the likely cause of an ActorUnavailableError seen once in CI). So when starting
+    fails with a failure of an actor's process (``actor_system_failure``), and a node the group
+    was placed on is dead, or is marked dead within ``wait_s`` (for an unreachable actor, whose
+    node Ray may not have marked yet), the group is removed (killing the roles started in it) and
+    the roles are placed once more on the nodes left, in the same attempt, with one warning. Any
+    other failure removes the group and raises as it came.
+    """
+    import ray
+    from ray.exceptions import ActorUnavailableError
+    from ray.util import placement_group_table
+    from ray.util.placement_group import remove_placement_group
+
+    for attempt in (1, 2):
+        pgs = create_placement_groups(cfg)
+        pg = next(iter(pgs.values()))
+        placed_on = set(placement_group_table(pg)["bundles_to_node_id"].values())
+        try:
+            return pgs, start(pgs)
+        except BaseException as err:
+            remove_placement_group(pg)
+            failure = actor_system_failure(err)
+            if failure is None or attempt == 2:
+                raise
+            wait = wait_s if isinstance(failure, ActorUnavailableError) else 0.0  # a died actor's node is known
+            t0 = time.monotonic()
+            while not (lost := [n for n in ray.nodes() if n["NodeID"] in placed_on and not n["Alive"]]):
+                if time.monotonic() - t0 >= wait:
+                    if not wait:
+                        raise
+                    raise TimeoutError(
+                        f"ppo roles failed to start ({type(err).__name__}: {(str(err).splitlines() or [''])[0]}) and none "
+                        f"of the nodes they were placed on ({', '.join(sorted(n[:8] for n in placed_on))}) was marked "
+                        f"dead by Ray within {wait:g} s: not a lost node") from err
+                time.sleep(0.5)
+            log.warning("ppo roles failed to start (%s): node %s (%s) was lost (marked dead by Ray after %.0f s); "
+                        "placing them again on the nodes left", type(failure).__name__, lost[0]["NodeManagerAddress"],
+                        lost[0]["NodeID"][:8], time.monotonic() - t0)
 
 
 class RoleGroup:

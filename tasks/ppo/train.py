@@ -23,8 +23,8 @@ from tasks.data.dataset import read_jsonl
 from tasks.ppo.checkpoint import latest_checkpoint, load_checkpoint, publish_final, save_checkpoint
 from tasks.ppo.config import LEARNERS, PPOConfig, check_gpu_fit, resolve_placement
 from tasks.ppo.fast_generate import check_fast_generate
-from tasks.ppo.group import (RoleGroup, check_cluster, colossalai_imports, colossalai_problem, create_placement_groups,
-                             import_failure, role_bundles, role_device)
+from tasks.ppo.group import (RoleGroup, check_cluster, colossalai_imports, colossalai_problem, import_failure, role_bundles,
+                             role_device, start_roles_on_live_nodes)
 from tasks.ppo.key import ppo_key, ppo_seed, read_parts
 from tasks.ppo.run import PPORun
 
@@ -156,10 +156,11 @@ def train_ppo(cfg: PPOConfig, model: ModelConfig, store: ArtifactStore, data: Ar
 
     inputs = {"data": data, "sft": sft, **({"rm": rm} if rm is not None else {})}
     config = {"ppo": cfg.model_dump(mode="json"), "model": model.identity(), "seed": seed, "placement": placement}
-    pgs, groups = create_placement_groups(cfg), {}
+    pgs, groups = {}, {}
     tracker = Tracker("ppo", tracking, config, cfg.num_iterations)
     try:
-        groups = start_roles(cfg, model, store, data, sft, rm, seed, tokenizer, pgs, stop_ids)
+        pgs, groups = start_roles_on_live_nodes(
+            cfg, lambda pgs: start_roles(cfg, model, store, data, sft, rm, seed, tokenizer, pgs, stop_ids))
         run = PPORun(cfg, groups, tokenizer, evals, model.is_builtin, eval_records)
         sampler = PromptSampler(len(prompts), seed)
         kl_ctl = _kl_controller(cfg)
