@@ -164,9 +164,7 @@ def compile_as(model, how: str) -> None:
     if how == "blocks":
         compile_blocks(model)
     elif how == "blocks-graphs":
-        compile_blocks(model)  # the stage's recompile limit
-        for block in transformer_blocks(model):
-            block.compile(mode="reduce-overhead")
+        compile_blocks(model, mode="reduce-overhead")
     elif how == "body":
         blocks = transformer_blocks(model)
         body = next(m for m in model.modules() if any(x is blocks[0] for x in getattr(m, "layers", ())))

@@ -339,8 +339,9 @@ class DistributedWorker:
 RECOMPILE_LIMIT = 64
 
 
-def compile_blocks(model) -> int:
-    """Regional compilation: ``torch.compile`` every transformer block of ``model`` in place.
+def compile_blocks(model, mode: str | None = None) -> int:
+    """Regional compilation: ``torch.compile`` every transformer block of ``model`` in place
+    (``mode``: torch.compile's, e.g. 'reduce-overhead' for CUDA graphs; the stage uses the default).
 
     Blocks of one shape share one compiled graph (their parameters are graph inputs), so a
     24-layer model costs one layer's compile; the mask building and the loss around the blocks
@@ -360,7 +361,7 @@ def compile_blocks(model) -> int:
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     blocks = transformer_blocks(model)
     for block in blocks:
-        block.compile()
+        block.compile(mode=mode)
     return len(blocks)
 
 
