@@ -2,6 +2,7 @@
 
     python3 bench/useful_mfu.py --shape 0.4b --out bench/results/useful_mfu_0.4b.json     # on the H200
     python3 bench/useful_mfu.py --shape 1.5b --lora-actor 32 --out bench/results/useful_mfu_1.5b.json
+    python3 bench/useful_mfu.py --shape 0.4b --variants packed1024 --learners apart        # the stage's layout: two processes
     python3 bench/useful_mfu.py --shape tiny --batch 16 --minibatch 4 --reps 1            # CPU: a smoke run
 
 A rollout batch as users' data makes it: prompts of ``--prompt-len`` / 4 .. ``--prompt-len``
@@ -12,7 +13,11 @@ stage's own functions: ``action_logprobs`` + the clipped policy loss on the poli
 fp32 master weights (or a LoRA actor on a bf16 base), fused AdamW, compiled blocks on CUDA.
 Every forward skips the columns no row of its minibatch attends (tasks/ppo/padding.py).
 
-Variants, side by side in one process: minibatches in rollout order (``ppo.bucket_by_length``
+The policy and the critic learn one after the other in this process, or (``--learners apart``)
+each in a process of its own on the same GPU, every epoch started together, as the stage's actor
+and critic roles learn: one learner's kernels run while the other's host issues its next ones.
+
+Variants, side by side in one run: minibatches in rollout order (``ppo.bucket_by_length``
 off) and ordered by ``length_order`` (on), unpacked, and with the rows' real tokens packed into
 bins of C columns (``ppo.pack_tokens``, tasks/ppo/packing.py): ``--variants``. Reported: seconds per epoch, the columns computed
 against the real tokens, **useful-token MFU** (the FLOPs of the real tokens only, over the time,
@@ -63,8 +68,9 @@ def ragged_batch(B: int, P: int, N: int, vocab: int, seed: int = 0) -> dict:
 
 
 def epoch(policy, critic, opt, exp: dict, order: torch.Tensor, mb: int, N: int, phases: dict | None = None, pack_tokens: int = 0) -> None:
-    """One PPO epoch; with ``phases`` (a dict) each minibatch's forward, backward and optimizer step
-    are timed apart (synchronising between them) and added into it."""
+    """One PPO epoch of ``policy`` and ``critic`` (either None: the other learner alone, as in a
+    process of its own); with ``phases`` (a dict) each minibatch's forward, backward and optimizer
+    step are timed apart (synchronising between them) and added into it."""
 
     @contextlib.contextmanager
     def lap(key: str):
@@ -83,14 +89,17 @@ def epoch(policy, critic, opt, exp: dict, order: torch.Tensor, mb: int, N: int, 
     for rows in order.split(mb):  # the policy's batch given on the CPU, as the stage's learner has it from Ray
         idx = rows.to(DEV, non_blocking=True)  # one copy a minibatch, not one a tensor (each a host sync)
         e = {k: v[idx] for k, v in exp.items() if not k.endswith("_cpu")}
+        loss = 0.0
         with lap("forward_s"), torch.autocast(DEV, dtype=torch.bfloat16, enabled=DEV == "cuda"):
-            logp = action_logprobs(policy, exp["seqs_cpu"][rows], exp["attn_cpu"][rows], N, pack_tokens=pack_tokens, device=DEV)
-            pl = ppo_clip_loss(logp, e["old_logp"], e["adv"], e["amask"])
-            critic.pack_tokens = pack_tokens  # laid out on the CPU copy, as the stage's critic does (CriticWorker._inputs)
-            values = critic(*critic.inputs(exp["seqs_cpu"][rows], exp["attn_cpu"][rows], N, DEV))
-            vl = value_loss(values, e["old_values"], e["returns"], e["amask"])
+            if policy is not None:
+                logp = action_logprobs(policy, exp["seqs_cpu"][rows], exp["attn_cpu"][rows], N, pack_tokens=pack_tokens, device=DEV)
+                loss = loss + ppo_clip_loss(logp, e["old_logp"], e["adv"], e["amask"]).loss
+            if critic is not None:
+                critic.pack_tokens = pack_tokens  # laid out on the CPU copy, as the stage's critic does (CriticWorker._inputs)
+                values = critic(*critic.inputs(exp["seqs_cpu"][rows], exp["attn_cpu"][rows], N, DEV))
+                loss = loss + value_loss(values, e["old_values"], e["returns"], e["amask"]).loss
         with lap("backward_s"):
-            (pl.loss + vl.loss).backward()
+            loss.backward()
         with lap("optimizer_s"):
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -203,6 +212,100 @@ def work(cfg, exp: dict, order: torch.Tensor, mb: int, N: int, pack_tokens: int 
             "useful_flops": useful, "computed_flops": computed}
 
 
+def learners(a, role: str) -> tuple:
+    """(policy, critic, optimizer) of ``role`` 'policy', 'critic' or 'both' (the other None),
+    compiled as ``--compile`` says, one fused AdamW over what they train."""
+    policy = critic = None
+    if role in ("policy", "both"):
+        policy = build_policy(a.shape, DEV, torch.bfloat16 if a.lora_actor else torch.float32, vocab=a.vocab)
+        if a.lora_actor:
+            from peft import LoraConfig, get_peft_model
+
+            policy = get_peft_model(policy, LoraConfig(r=a.lora_actor, lora_alpha=32, target_modules="all-linear"), autocast_adapter_dtype=True)
+    if role in ("critic", "both"):
+        critic = _Values(lora_value_model(a.shape, DEV, a.lora_critic, seed=1, vocab=a.vocab) if a.lora_critic
+                         else build_value_model(a.shape, DEV, seed=1, vocab=a.vocab))
+    models = [m for m in (policy, critic) if m is not None]
+    if DEV == "cuda" or a.compile != "blocks":
+        for m in models:
+            compile_as(m.rm if m is critic else m, a.compile)
+    opt = torch.optim.AdamW([p for m in models for p in m.parameters() if p.requires_grad], lr=1e-7, fused=DEV == "cuda")
+    return policy, critic, opt
+
+
+def parse_variants(a, exp: dict) -> tuple[dict, dict]:
+    """``--variants`` -> (name -> (minibatch order, pack_tokens), name -> varlen attention)."""
+    orders = {"rollout_order": torch.arange(a.batch), "bucket_by_length": length_order(exp["attn_cpu"], a.new_tokens, a.minibatch)}
+    variants, varlen = {}, {}
+    for v in a.variants.split(","):
+        if v in orders:
+            variants[v] = (orders[v], 0)
+        else:  # packedC, packedC_bucket, packedC-mask
+            c, _, by = v.removeprefix("packed").removesuffix("-mask").partition("_")
+            variants[v] = (orders["bucket_by_length" if by else "rollout_order"], int(c))
+            varlen[v] = not v.endswith("-mask")
+    return variants, varlen
+
+
+def time_variants(a, policy, critic, opt, exp: dict, variants: dict, varlen: dict, barrier=None) -> dict:
+    """Each variant: a warm-up epoch (compilation of its widths, optimizer state), then ``--reps``
+    timed ones -> name -> {first_s, s_all, peak_gib}. ``barrier``: wait for the other learner's
+    process before each epoch, so both start together."""
+    out = {}
+    for name, (order, pk) in variants.items():
+        packing.VARLEN = varlen.get(name, True)  # for this variant's epochs (and its profile in main)
+        t, ts = {}, []
+        barrier and barrier.wait()
+        with timed(t, "first_s"):
+            epoch(policy, critic, opt, exp, order, a.minibatch, a.new_tokens, pack_tokens=pk)
+        reset_peak()
+        for _ in range(a.reps):
+            barrier and barrier.wait()
+            with timed(t, "s"):
+                epoch(policy, critic, opt, exp, order, a.minibatch, a.new_tokens, pack_tokens=pk)
+            ts.append(t["s"])
+        out[name] = {"first_s": t["first_s"], "s_all": ts, "peak_gib": peak_gib()}
+    return out
+
+
+def _learner_process(role: str, a, barrier, queue) -> None:
+    torch.backends.cuda.matmul.allow_tf32 = True
+    policy, critic, opt = learners(a, role)
+    exp = ragged_batch(a.batch, a.prompt_len, a.new_tokens, a.vocab)  # the same seeded batch as the parent's
+    variants, varlen = parse_variants(a, exp)
+    queue.put((role, time_variants(a, policy, critic, opt, exp, variants, varlen, barrier), n_params(policy if critic is None else critic)))
+
+
+def learners_apart(a) -> tuple[dict, int]:
+    """(``time_variants``, the policy's parameters) with the policy and the critic each in a process of its own (spawned, one
+    GPU shared), every epoch started together: an epoch's time is the slower learner's; peak
+    memory the sum of both."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    barrier, queue = ctx.Barrier(2), ctx.Queue()
+    procs = [ctx.Process(target=_learner_process, args=(r, a, barrier, queue)) for r in ("policy", "critic")]
+    for p in procs:
+        p.start()
+    got, params = {}, {}
+    while len(got) < 2:
+        try:
+            role, timing, params[role] = queue.get(timeout=30)
+            got[role] = timing
+        except Exception:  # queue.Empty: a learner that died would leave the other waiting at the barrier
+            if any(p.exitcode not in (None, 0) for p in procs):
+                for p in procs:
+                    p.kill()
+                raise SystemExit(f"--learners apart: a learner process failed (exit codes {[p.exitcode for p in procs]})")
+    for p in procs:
+        p.join()
+    pol, cri = got["policy"], got["critic"]
+    return {name: {"first_s": max(pol[name]["first_s"], cri[name]["first_s"]),
+                   "s_all": [max(x, y) for x, y in zip(pol[name]["s_all"], cri[name]["s_all"])],
+                   "s_policy": pol[name]["s_all"], "s_critic": cri[name]["s_all"],
+                   "peak_gib": pol[name]["peak_gib"] + cri[name]["peak_gib"]} for name in pol}, params["policy"]
+
+
 def main() -> None:
     ap = workload_args(__doc__.splitlines()[0])
     ap.add_argument("--minibatch", type=int, default=16)
@@ -217,6 +320,9 @@ def main() -> None:
     ap.add_argument("--profile-variants", default="rollout_order,packed1024", help="with --profile: these variants too")
     ap.add_argument("--compile", default="blocks", help="how the models are compiled (CUDA; elsewhere only when not 'blocks'): "
                     "blocks (the stage's), blocks-graphs, body, none (see compile_as)")
+    ap.add_argument("--learners", default="together", choices=["together", "apart"],
+                    help="together: policy and critic in this process, one after the other; apart: each in a process of its "
+                    "own, started together each epoch (the stage's layout: actor and critic roles), an epoch's time the slower's")
     ap.add_argument("--sync-debug", action="store_true", help="then one epoch of each variant with torch's CUDA sync debug mode: "
                     "every place the host waits for the GPU, by call site")
     ap.add_argument("--profile", action="store_true", help="then one epoch of the fastest variant with its phases timed apart, and "
@@ -226,51 +332,30 @@ def main() -> None:
     B, P, N, mb = a.batch, a.prompt_len, a.new_tokens, a.minibatch
     torch.backends.cuda.matmul.allow_tf32 = True
     res = {"machine": machine(), "command": " ".join(sys.argv), "shape": a.shape, "batch": B, "prompt_len": P,
-           "new_tokens": N, "minibatch": mb, "compile": a.compile, "vocab": a.vocab, "lora_actor": a.lora_actor, "lora_critic": a.lora_critic,
+           "new_tokens": N, "minibatch": mb, "compile": a.compile, "learners": a.learners, "vocab": a.vocab, "lora_actor": a.lora_actor, "lora_critic": a.lora_critic,
            "matmul_bf16_tflops_measured": matmul_tflops() if DEV == "cuda" else float("nan"),
            "peak_tflops_datasheet": H200_BF16_DENSE_TFLOPS, "variants": {}}
-    policy = build_policy(a.shape, DEV, torch.bfloat16 if a.lora_actor else torch.float32, vocab=a.vocab)
-    if a.lora_actor:
-        from peft import LoraConfig, get_peft_model
-
-        policy = get_peft_model(policy, LoraConfig(r=a.lora_actor, lora_alpha=32, target_modules="all-linear"), autocast_adapter_dtype=True)
-    critic = _Values(lora_value_model(a.shape, DEV, a.lora_critic, seed=1, vocab=a.vocab) if a.lora_critic
-                     else build_value_model(a.shape, DEV, seed=1, vocab=a.vocab))
-    res["params"] = n_params(policy)
-    if DEV == "cuda" or a.compile != "blocks":
-        for m in (policy, critic.rm):
-            compile_as(m, a.compile)
-    opt = torch.optim.AdamW([p for m in (policy, critic) for p in m.parameters() if p.requires_grad], lr=1e-7, fused=DEV == "cuda")
+    if a.learners == "apart" and (a.profile or a.sync_debug):
+        raise SystemExit("--profile / --sync-debug: with --learners together only")
     exp = ragged_batch(B, P, N, a.vocab)
     cfg = llama_config(a.shape, vocab=a.vocab)
-    orders = {"rollout_order": torch.arange(B), "bucket_by_length": length_order(exp["attn_cpu"], N, mb)}
-    variants, varlen = {}, {}
-    for v in a.variants.split(","):
-        if v in orders:
-            variants[v] = (orders[v], 0)
-        else:  # packedC, packedC_bucket, packedC-mask
-            c, _, by = v.removeprefix("packed").removesuffix("-mask").partition("_")
-            variants[v] = (orders["bucket_by_length" if by else "rollout_order"], int(c))
-            varlen[v] = not v.endswith("-mask")
+    variants, varlen = parse_variants(a, exp)
+    if a.learners == "apart":
+        timing, res["params"] = learners_apart(a)
+    else:
+        policy, critic, opt = learners(a, "both")
+        res["params"] = n_params(policy)
+        timing = time_variants(a, policy, critic, opt, exp, variants, varlen)
     for name, (order, pk) in variants.items():
-        packing.VARLEN = varlen.get(name, True)  # for this variant's epochs (and its profile below)
-        t = {}
-        with timed(t, "first_s"):
-            epoch(policy, critic, opt, exp, order, mb, N, pack_tokens=pk)  # warm-up: compilation of this variant's widths, optimizer state
-        reset_peak()
-        ts = []
-        for _ in range(a.reps):
-            with timed(t, "s"):
-                epoch(policy, critic, opt, exp, order, mb, N, pack_tokens=pk)
-            ts.append(t["s"])
+        ts, first_s = timing[name]["s_all"], timing[name]["first_s"]
         s = statistics.median(ts)
         w = work(cfg, exp, order, mb, N, pk, bool(a.lora_actor), bool(a.lora_critic), varlen.get(name, True))
         peak = H200_BF16_DENSE_TFLOPS * 1e12
-        res["variants"][name] = {**w, "s": s, "s_all": ts, "first_s": t["first_s"], "peak_gib": peak_gib(),
+        res["variants"][name] = {**w, **timing[name], "s": s,
                                  "useful_mfu": w["useful_flops"] / s / peak, "computed_mfu": w["computed_flops"] / s / peak,
                                  "real_tokens_per_s": w["real_tokens"] / s}
         v = res["variants"][name]
-        print(f"{name}: {s * 1e3:.0f} ms/epoch (first {t['first_s']:.1f} s), computed {w['computed_tokens']} of "
+        print(f"{name}: {s * 1e3:.0f} ms/epoch (first {first_s:.1f} s), computed {w['computed_tokens']} of "
               f"{w['all_tokens']} token slots for {w['real_tokens']} real tokens; useful MFU {100 * v['useful_mfu']:.1f}%, "
               f"computed MFU {100 * v['computed_mfu']:.1f}%, {v['real_tokens_per_s']:.0f} real tokens/s", flush=True)
     if a.sync_debug and DEV == "cuda":
