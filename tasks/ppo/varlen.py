@@ -56,7 +56,7 @@ def packed_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value:
     total; ``max_length_q`` the longest."""
     if cu_seq_lens_q is None or attention_mask is not None:
         raise RuntimeError(f"attention {NAME!r} runs only on packed rows: give cu_seq_lens_q and no attention_mask "
-                           "(tasks/ppo/packing.py attend_packed)")
+                           "(tasks/ppo/packing.py forward_packed)")
     if kwargs.get("s_aux") is not None:
         raise ValueError(f"{type(module).__name__} has attention sinks (s_aux), which packed rows do not support; "
                          "set ppo.pack_tokens=0")
