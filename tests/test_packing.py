@@ -137,7 +137,8 @@ def test_lm_head_reads_only_the_positions_that_predict_actions():
 
 def test_remote_code_models_run_unpacked():
     """A model class outside transformers (trust_remote_code) may build its own masks from
-    ``attention_mask``: ``pack_tokens`` leaves it on the padded path, same numbers."""
+    ``attention_mask``: ``pack_tokens`` leaves it on the padded path, same numbers; so does a
+    model with attention sinks."""
     import transformers as T
 
     class RemoteLlama(T.LlamaForCausalLM):
@@ -145,6 +146,11 @@ def test_remote_code_models_run_unpacked():
 
     model = RemoteLlama(tiny("llama").config).eval()
     assert not packs(model) and packs(tiny("llama"))
+    # attention sinks (gpt-oss's s_aux): the packed attention has none, so such a model runs padded too
+    sinks = T.GptOssForCausalLM(T.GptOssConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                                               num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=2,
+                                               num_experts_per_tok=1, max_position_embeddings=64, pad_token_id=0)).eval()
+    assert not packs(sinks)
     ro = ragged(B=4, P=8, N=4, V=64, seed=1)
     with torch.no_grad():
         assert torch.equal(action_logprobs(model, ro.sequences, ro.attention_mask, 4, pack_tokens=16),

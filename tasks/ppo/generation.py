@@ -174,11 +174,20 @@ def generate(
 def packs(model) -> bool:
     """Whether ``model``'s forward honours packed sequences (tasks/ppo/packing.py): a transformers
     model that takes ``position_ids`` and whose attention layers call the attention function its
-    config names (``ALL_ATTENTION_FUNCTIONS``: tasks/ppo/varlen.py serves there). Remote code and
-    position-free models (bloom's alibi) run padded."""
+    config names (``ALL_ATTENTION_FUNCTIONS``: tasks/ppo/varlen.py serves there), without
+    attention sinks (gpt-oss's ``s_aux``, which that function has not). Remote code,
+    position-free models (bloom's alibi) and models with sinks run padded."""
     cls = type(_unwrap(model))
     return (cls.__module__.startswith("transformers.models.") and "position_ids" in _forward_params(cls)
-            and hasattr(sys.modules[cls.__module__], "ALL_ATTENTION_FUNCTIONS"))
+            and _packable_attention(cls.__module__))
+
+
+@functools.cache
+def _packable_attention(module: str) -> bool:
+    """A transformers modeling module whose attention goes through ``ALL_ATTENTION_FUNCTIONS`` and
+    passes it no attention sinks (``s_aux``): read once a module."""
+    mod = sys.modules[module]
+    return hasattr(mod, "ALL_ATTENTION_FUNCTIONS") and "s_aux" not in inspect.getsource(mod)
 
 
 def _per_position(fn: Callable, logits: Tensor, *rest: Tensor, rows: int = 1024) -> Tensor:

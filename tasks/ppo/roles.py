@@ -197,7 +197,7 @@ class PolicyWorker(_LearnerMixin, DistributedWorker):
 
             if not packs(base):
                 logging.getLogger("rlhf.ppo").info(
-                    "ppo.pack_tokens %d: %s (%s) cannot take packed rows (remote code, or no position_ids), so every "
+                    "ppo.pack_tokens %d: %s (%s) cannot take packed rows (remote code, no position_ids, or attention sinks), so every "
                     "forward of this run is unpacked", ppo.pack_tokens, type(base).__name__, type(base).__module__)
         adapter = str(store.fetch(sft) / "adapter")
         peft = PeftModel.from_pretrained(base, adapter, is_trainable=True).eval()
