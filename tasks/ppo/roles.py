@@ -400,13 +400,13 @@ def score_rows(rm, rollout, pack_tokens: int, device: str, head=None) -> Tensor:
     """``rm``'s score (B,) of each rollout row at its last attended token, fp32 on the CPU: the real
     tokens packed (tasks/ppo/packing.py, ``ppo.pack_tokens``) or the attended columns only
     (tasks/ppo/padding.py)."""
-    from tasks.ppo.generation import _unwrap, packs
+    from tasks.ppo.generation import packs
 
     seqs, attn = rollout.sequences, rollout.attention_mask
     if pack_tokens and packs(rm.body):
         p = pack(seqs, attn, pack_tokens, device=device)
         last = p.index.amax(1).to(device, non_blocking=True)
-        with forward_packed(_unwrap(rm.body).config, p) as kw:
+        with forward_packed(rm.config, p) as kw:
             return rm.values(p.input_ids, None, head, **kw).reshape(-1)[last].float().cpu()
     span = attended_span(attn, rollout.action_mask.shape[1])  # no forward on all-pad columns
     return rm(cut(seqs, span).to(device), cut(attn, span).to(device), head=head).float().cpu()
@@ -442,10 +442,8 @@ class _Values(torch.nn.Module):
         if layout is None:
             input_ids, attention_mask, num_actions, layout = self.inputs(input_ids, attention_mask, num_actions, input_ids.device)
         if attention_mask is None:
-            from tasks.ppo.generation import _unwrap
-
             p, states = layout
-            with forward_packed(_unwrap(self.rm.body).config, p) as kw:
+            with forward_packed(self.rm.config, p) as kw:
                 return unpack(self.rm.values(input_ids, None, **kw).float(), states)
         values = self.rm.values(input_ids, attention_mask)
         return pad_actions(values[:, -layout.actions - 1:-1].float(), layout)
