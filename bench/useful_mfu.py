@@ -234,26 +234,31 @@ def learners(a, role: str) -> tuple:
 
 
 def parse_variants(a, exp: dict) -> tuple[dict, dict]:
-    """``--variants`` -> (name -> (minibatch order, pack_tokens), name -> varlen attention)."""
+    """``--variants`` -> name -> (minibatch order, pack_tokens)."""
     orders = {"rollout_order": torch.arange(a.batch), "bucket_by_length": length_order(exp["attn_cpu"], a.new_tokens, a.minibatch)}
-    variants, varlen = {}, {}
+    variants = {}
     for v in a.variants.split(","):
         if v in orders:
             variants[v] = (orders[v], 0)
         else:  # packedC, packedC_bucket, packedC-mask
             c, _, by = v.removeprefix("packed").removesuffix("-mask").partition("_")
             variants[v] = (orders["bucket_by_length" if by else "rollout_order"], int(c))
-            varlen[v] = not v.endswith("-mask")
-    return variants, varlen
+    return variants
 
 
-def time_variants(a, policy, critic, opt, exp: dict, variants: dict, varlen: dict, barrier=None) -> dict:
+def varlen_of(name: str) -> bool:
+    """A variant's packed attention: by the sequences' lengths (tasks/ppo/varlen.py), or ``-mask``:
+    transformers' block-diagonal mask (tasks/ppo/packing.py ``VARLEN`` off)."""
+    return not name.endswith("-mask")
+
+
+def time_variants(a, policy, critic, opt, exp: dict, variants: dict, barrier=None) -> dict:
     """Each variant: a warm-up epoch (compilation of its widths, optimizer state), then ``--reps``
     timed ones -> name -> {first_s, s_all, peak_gib}. ``barrier``: wait for the other learner's
     process before each epoch, so both start together."""
     out = {}
     for name, (order, pk) in variants.items():
-        packing.VARLEN = varlen.get(name, True)  # for this variant's epochs (and its profile in main)
+        packing.VARLEN = varlen_of(name)  # for this variant's epochs (and its profile in main)
         t, ts = {}, []
         barrier and barrier.wait()
         with timed(t, "first_s"):
@@ -272,14 +277,16 @@ def _learner_process(role: str, a, barrier, queue) -> None:
     torch.backends.cuda.matmul.allow_tf32 = True
     policy, critic, opt = learners(a, role)
     exp = ragged_batch(a.batch, a.prompt_len, a.new_tokens, a.vocab)  # the same seeded batch as the parent's
-    variants, varlen = parse_variants(a, exp)
-    queue.put((role, time_variants(a, policy, critic, opt, exp, variants, varlen, barrier), n_params(policy if critic is None else critic)))
+    queue.put((role, time_variants(a, policy, critic, opt, exp, parse_variants(a, exp), barrier),
+               n_params(policy if critic is None else critic)))
 
 
 def learners_apart(a) -> tuple[dict, int]:
     """(``time_variants``, the policy's parameters) with the policy and the critic each in a process of its own (spawned, one
     GPU shared), every epoch started together: an epoch's time is the slower learner's; peak
     memory the sum of both."""
+    import queue as queue_module
+
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -292,7 +299,7 @@ def learners_apart(a) -> tuple[dict, int]:
         try:
             role, timing, params[role] = queue.get(timeout=30)
             got[role] = timing
-        except Exception:  # queue.Empty: a learner that died would leave the other waiting at the barrier
+        except queue_module.Empty:  # a learner that died would leave the other waiting at the barrier
             if any(p.exitcode not in (None, 0) for p in procs):
                 for p in procs:
                     p.kill()
@@ -339,17 +346,17 @@ def main() -> None:
         raise SystemExit("--profile / --sync-debug: with --learners together only")
     exp = ragged_batch(B, P, N, a.vocab)
     cfg = llama_config(a.shape, vocab=a.vocab)
-    variants, varlen = parse_variants(a, exp)
+    variants = parse_variants(a, exp)
     if a.learners == "apart":
         timing, res["params"] = learners_apart(a)
     else:
         policy, critic, opt = learners(a, "both")
         res["params"] = n_params(policy)
-        timing = time_variants(a, policy, critic, opt, exp, variants, varlen)
+        timing = time_variants(a, policy, critic, opt, exp, variants)
     for name, (order, pk) in variants.items():
         ts, first_s = timing[name]["s_all"], timing[name]["first_s"]
         s = statistics.median(ts)
-        w = work(cfg, exp, order, mb, N, pk, bool(a.lora_actor), bool(a.lora_critic), varlen.get(name, True))
+        w = work(cfg, exp, order, mb, N, pk, bool(a.lora_actor), bool(a.lora_critic), varlen_of(name))
         peak = H200_BF16_DENSE_TFLOPS * 1e12
         res["variants"][name] = {**w, **timing[name], "s": s,
                                  "useful_mfu": w["useful_flops"] / s / peak, "computed_mfu": w["computed_flops"] / s / peak,
@@ -361,7 +368,7 @@ def main() -> None:
     if a.sync_debug and DEV == "cuda":
         res["host_syncs"] = {}
         for name, (order, pk) in variants.items():
-            packing.VARLEN = varlen.get(name, True)
+            packing.VARLEN = varlen_of(name)
             try:
                 sites = res["host_syncs"][name] = host_syncs(lambda: epoch(policy, critic, opt, exp, order, mb, N, pack_tokens=pk))
             except Exception as e:  # a diagnosis: record why it could not run, keep the numbers above
@@ -374,7 +381,7 @@ def main() -> None:
     if a.profile:  # the fastest variant, already warm
         best = min(res["variants"], key=lambda k: res["variants"][k]["s"])
         order, pk = variants[best]
-        packing.VARLEN = varlen.get(best, True)
+        packing.VARLEN = varlen_of(best)
         phases: dict = {}
         epoch(policy, critic, opt, exp, order, mb, N, phases, pk)
         split = {k: round(v, 4) for k, v in phases.items()}
@@ -383,7 +390,7 @@ def main() -> None:
         for name in dict.fromkeys([best, *a.profile_variants.split(",")]):
             if name in variants:
                 order, pk = variants[name]
-                packing.VARLEN = varlen.get(name, True)
+                packing.VARLEN = varlen_of(name)
                 prof = res["profile"][name] = top_ops(lambda: epoch(policy, critic, opt, exp, order, mb, N, pack_tokens=pk))
                 print(f"{name} under the profiler: {prof['wall_ms']} ms wall, {prof['kernel_ms']} ms of kernels "
                       f"({100 * prof['kernel_share_of_wall']:.0f}%): {prof['kernel_ms_by_kind']}", flush=True)
