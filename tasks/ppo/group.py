@@ -216,17 +216,18 @@ def start_roles_on_live_nodes(cfg: PPOConfig, start: Callable[[dict], dict],
             failure = actor_system_failure(err)
             if failure is None or attempt == 2:
                 raise
-            wait = wait_s if isinstance(failure, ActorUnavailableError) else 0.0  # a died actor's node is known
+            unreachable = isinstance(failure, ActorUnavailableError)  # a died actor's node is known at once
             t0 = time.monotonic()
-            while not (lost := [n for n in ray.nodes() if n["NodeID"] in placed_on and not n["Alive"]]):
-                if time.monotonic() - t0 >= wait:
-                    if not wait:
-                        raise
-                    raise TimeoutError(
-                        f"ppo roles failed to start ({type(err).__name__}: {(str(err).splitlines() or [''])[0]}) and none "
-                        f"of the nodes they were placed on ({', '.join(sorted(n[:8] for n in placed_on))}) was marked "
-                        f"dead by Ray within {wait:g} s: not a lost node") from err
+            while not (lost := [n for n in ray.nodes() if n["NodeID"] in placed_on and not n["Alive"]]) \
+                    and unreachable and time.monotonic() - t0 < wait_s:
                 time.sleep(0.5)
+            if not lost and not unreachable:
+                raise
+            if not lost:
+                raise TimeoutError(
+                    f"ppo roles failed to start ({type(err).__name__}: {(str(err).splitlines() or [''])[0]}) and none "
+                    f"of the nodes they were placed on ({', '.join(sorted(n[:8] for n in placed_on))}) was marked "
+                    f"dead by Ray within {wait_s:g} s: not a lost node") from err
             log.warning("ppo roles failed to start (%s): node %s (%s) was lost (marked dead by Ray after %.0f s); "
                         "placing them again on the nodes left", type(failure).__name__, lost[0]["NodeManagerAddress"],
                         lost[0]["NodeID"][:8], time.monotonic() - t0)
