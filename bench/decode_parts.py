@@ -14,8 +14,8 @@ One bf16 random-weight Llama of ``--shape``, one process, side by side:
   at mid-rollout (the prompt and half the response visible): us per call against the visible
   K/V bytes.
 - **Whole steps** (``--steps``): FastGenerator's graph-replayed decode step for the decode
-  attention and compile variants, against the step's memory floor, and the kernels of one eager
-  step of each (profiler) at mid-rollout.
+  attention, compile, row-group and launch variants (``best``: the attention sweep's fastest), against the step's memory floor, and the
+  kernels of one step of each (profiler) at mid-rollout, as the graph replays them and eagerly.
 
 Numbers go to ``--out`` (JSON) and the log.
 """
@@ -110,21 +110,27 @@ def launch(settings: dict):
 
 
 def attention_sweep(cfg, B: int, L: int, visible: int) -> dict:
+    """The kernel over launch settings, one call per layer on that layer's own cache (as the decode
+    step reads them: 24 caches of 67 MB at 0.4b, more than the L2 holds; one cache read 24 times
+    in a row would be timed partly from the L2)."""
     import tasks.ppo.decode_attention as da
 
     n_kv, hd = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
-    g = cfg.num_attention_heads // n_kv
+    g, layers = cfg.num_attention_heads // n_kv, cfg.num_hidden_layers
     q = torch.randn(B, n_kv, g, hd, device=DEV, dtype=torch.bfloat16)
-    kc, vc = (torch.randn(B, n_kv, L, hd, device=DEV, dtype=torch.bfloat16) for _ in range(2))
+    caches = [[torch.randn(B, n_kv, L, hd, device=DEV, dtype=torch.bfloat16) for _ in range(2)] for _ in range(layers)]
+    kc, vc = caches[0]
     bias = torch.full((B, 1, 1, L), torch.finfo(torch.bfloat16).min, device=DEV, dtype=torch.bfloat16)
     bias[..., :visible] = 0
     bytes_visible = 2 * B * n_kv * visible * hd * 2
-    out = {"visible_columns": visible, "columns": L, "visible_kv_mb": bytes_visible / 1e6}
+    out = {"visible_columns": visible, "columns": L, "visible_kv_mb": bytes_visible / 1e6, "caches": layers}
+    turn = iter(itertools.cycle(caches))
+    every = lambda f: lambda: f(*next(turn))  # noqa: E731  (each call on the next layer's cache)
     want = F.scaled_dot_product_attention(q, kc, vc, attn_mask=bias, scale=hd ** -0.5)
-    out["sdpa_us"] = per_call_us(lambda: F.scaled_dot_product_attention(q, kc, vc, attn_mask=bias, scale=hd ** -0.5))
+    out["sdpa_us"] = per_call_us(every(lambda k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=hd ** -0.5)), calls=layers)
     default = dict(BLOCK_N=da.BLOCK_N, NUM_WARPS=da.NUM_WARPS, NUM_STAGES=da.NUM_STAGES, PROGRAMS_PER_SM=da.PROGRAMS_PER_SM)
-    grid = [*(dict(default, BLOCK_N=blk, NUM_WARPS=w, NUM_STAGES=st) for blk, w, st in itertools.product((32, 64, 128), (2, 4, 8), (1, 2, 3))),
-            *(dict(default, PROGRAMS_PER_SM=per_sm) for per_sm in (8, 16))]  # more column splits
+    grid = [dict(default, BLOCK_N=blk, NUM_WARPS=w, NUM_STAGES=st, PROGRAMS_PER_SM=per_sm)
+            for blk, w, st, per_sm in itertools.product((32, 64, 128, 256), (2, 4, 8), (1, 2, 3), (4, 8, 16))]  # per_sm > 4: column splits
     rows = []
     for settings in grid:
         key = variant_name(settings)
@@ -132,13 +138,16 @@ def attention_sweep(cfg, B: int, L: int, visible: int) -> dict:
             with launch(settings):
                 got = da.decode_attention(q, kc, vc, bias, hd ** -0.5)
                 err = (got.float() - want.float()).abs().max().item()
-                us = per_call_us(lambda: da.decode_attention(q, kc, vc, bias, hd ** -0.5))
+                us = per_call_us(every(lambda k, v: da.decode_attention(q, k, v, bias, hd ** -0.5)), calls=layers)
             rows.append({"variant": key, "us": us, "gbps_visible": bytes_visible / us / 1e3, "max_abs_err_vs_sdpa": err})
         except Exception as e:  # a launch setting that does not compile (shared memory, registers): recorded
             rows.append({"variant": key, "error": f"{type(e).__name__}: {str(e)[:200]}"})
     ok = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
     out["triton"] = ok + [r for r in rows if "us" not in r]
     out["triton_default_us"] = next((r["us"] for r in ok if r["variant"] == variant_name(default)), None)
+    best = next(s_ for s_ in grid if ok and variant_name(s_) == ok[0]["variant"])
+    BEST_ATTENTION.update(best)
+    out["best_settings"] = best
     print(f"attention B={B} {visible}/{L} columns visible ({bytes_visible / 1e6:.1f} MB of K/V): sdpa {out['sdpa_us']:.1f} us, "
           f"triton default {out['triton_default_us']} us; best:", flush=True)
     for r in ok[:6]:
@@ -147,6 +156,7 @@ def attention_sweep(cfg, B: int, L: int, visible: int) -> dict:
 
 
 OPTIONS = {"warps": "NUM_WARPS", "stages": "NUM_STAGES", "block": "BLOCK_N", "persm": "PROGRAMS_PER_SM"}
+BEST_ATTENTION: dict = {}  # set by attention_sweep (the 'best' step option); empty: the defaults
 
 
 def step_variant(model, name: str, prompts, attn, a, gbps: float) -> dict:
@@ -155,15 +165,19 @@ def step_variant(model, name: str, prompts, attn, a, gbps: float) -> dict:
     from bench.ppo_iteration import decode_step_numbers, rollout_kw, time_fast
 
     attention, *opts = name.split("+")
-    settings = {OPTIONS[o.rstrip("0123456789")]: int(o.lstrip("abcdefghijklmnopqrstuvwxyz")) for o in opts
-                if o.rstrip("0123456789") in OPTIONS}  # e.g. warps8, stages3, block32, persm8
+    settings = dict(BEST_ATTENTION) if "best" in opts else {}  # the attention sweep's fastest launch settings
+    settings.update({OPTIONS[o.rstrip("0123456789")]: int(o.lstrip("abcdefghijklmnopqrstuvwxyz")) for o in opts
+                     if o.rstrip("0123456789") in OPTIONS})  # e.g. warps8, stages3, block32, persm8
     torch._dynamo.reset()  # the launch settings are module constants: no compiled code of another variant
     B, N = prompts.shape[0], a.new_tokens
     kw = rollout_kw(N)
     a.reps, a.copy_gbps, a.profile = 3, gbps, False
-    with launch(settings):
+    groups = next((int(o[len("groups"):]) for o in opts if o.startswith("groups")), 1)
+    pdl = torch._inductor.config.patch({"triton.enable_pdl": "pdl" in opts})  # Inductor's kernels launched with PDL
+    with launch(settings), pdl:
         fg, r = time_fast(model, prompts, attn, kw, a, attention=attention, compile_scope="forward" if "whole" in opts else "layer",
-                          compile_mode="max-autotune-no-cudagraphs" if "autotune" in opts and DEV == "cuda" else None)
+                          compile_mode="max-autotune-no-cudagraphs" if "autotune" in opts and DEV == "cuda" else None,
+                          row_groups=groups)
         try:
             if DEV == "cuda":
                 r["decode_step"] = decode_step_numbers(fg, prompts, attn, kw, a)
@@ -171,6 +185,8 @@ def step_variant(model, name: str, prompts, attn, a, gbps: float) -> dict:
                 fg._reset(B, attn, PAD)
                 for _ in range(N // 2):  # mid-rollout: half the response columns visible
                     fg._graphs[key].replay()
+                # the kernels as the graph runs them (their sum against the replay's wall: the gaps)
+                r["graph_step_kernels_mid_rollout"] = profile_top(fg._graphs[key].replay, 4, a.profile_rows)
                 r["eager_step_kernels_mid_rollout"] = profile_top(lambda: fg._decode(B, lambda logits: logits.argmax(-1)), 4, a.profile_rows)
             return r
         finally:
@@ -180,12 +196,19 @@ def step_variant(model, name: str, prompts, attn, a, gbps: float) -> dict:
 
 
 def main() -> None:
+    # Inductor's on-disk caches key a compiled graph without the constexpr arguments of a Triton
+    # kernel it calls (seen 2026-12-06: a step variant with other attention launch settings ran
+    # the previous variant's kernel, compiled in 0.4 s): every variant here compiles afresh
+    torch._inductor.config.fx_graph_cache = False
+    torch._functorch.config.enable_autograd_cache = False
     ap = workload_args(__doc__.splitlines()[0])
     ap.add_argument("--parts", default="gemm,attention,steps", help="which of gemm, attention, steps to run")
     ap.add_argument("--no-autotune", action="store_true", help="skip Inductor's max-autotune GEMMs")
     ap.add_argument("--steps", default="sdpa,triton,triton+autotune,triton+whole,triton+whole+autotune",
                     help="whole-step variants: an attention ('sdpa', 'triton') then +options: autotune (compile_mode "
-                    "max-autotune-no-cudagraphs), whole (compile_scope 'forward'), warpsN, stagesN, blockN, persmN (attention launch settings)")
+                    "max-autotune-no-cudagraphs), whole (compile_scope 'forward'), groupsN (row_groups: N row groups on N "
+                    "CUDA streams), pdl (Inductor's kernels with programmatic dependent launch), warpsN, stagesN, blockN, persmN "
+                    "(attention launch settings)")
     ap.add_argument("--profile-rows", type=int, default=24)
     a = ap.parse_args()
     B, P, N = a.batch, a.prompt_len, a.new_tokens
@@ -220,8 +243,10 @@ def main() -> None:
             print(f"step {name}: {r['new_tokens_per_s']:.0f} new tok/s, setup {r['setup_compile_capture_s']:.1f} s"
                   + (f", decode step {d['graph_replay_ms']:.3f} ms (floor {d['floor_ms_at_measured_copy_bw']:.3f}: "
                      f"{100 * d['floor_ms_at_measured_copy_bw'] / d['graph_replay_ms']:.0f}%)" if d else ""), flush=True)
-            for row in r.get("eager_step_kernels_mid_rollout", []):
-                print("   ", row, flush=True)
+            for part in ("graph_step_kernels_mid_rollout", "eager_step_kernels_mid_rollout"):
+                print(f"  {part}:", flush=True)
+                for row in r.get(part, []):
+                    print("   ", row, flush=True)
             save()
     save()
 
