@@ -14,7 +14,7 @@ One bf16 random-weight Llama of ``--shape``, one process, side by side:
   at mid-rollout (the prompt and half the response visible): us per call against the visible
   K/V bytes.
 - **Whole steps** (``--steps``): FastGenerator's graph-replayed decode step for the decode
-  attention, compile, row-group and launch variants (``best``: the attention sweep's fastest), against the step's memory floor, and the
+  attention, compile and launch variants (``best``: the attention sweep's fastest), against the step's memory floor, and the
   kernels of one step of each (profiler) at mid-rollout, as the graph replays them and eagerly.
 
 Numbers go to ``--out`` (JSON) and the log.
@@ -172,12 +172,10 @@ def step_variant(model, name: str, prompts, attn, a, gbps: float) -> dict:
     B, N = prompts.shape[0], a.new_tokens
     kw = rollout_kw(N)
     a.reps, a.copy_gbps, a.profile = 3, gbps, False
-    groups = next((int(o[len("groups"):]) for o in opts if o.startswith("groups")), 1)
     pdl = torch._inductor.config.patch({"triton.enable_pdl": "pdl" in opts})  # Inductor's kernels launched with PDL
     with launch(settings), pdl:
         fg, r = time_fast(model, prompts, attn, kw, a, attention=attention, compile_scope="forward" if "whole" in opts else "layer",
-                          compile_mode="max-autotune-no-cudagraphs" if "autotune" in opts and DEV == "cuda" else None,
-                          row_groups=groups)
+                          compile_mode="max-autotune-no-cudagraphs" if "autotune" in opts and DEV == "cuda" else None)
         try:
             if DEV == "cuda":
                 r["decode_step"] = decode_step_numbers(fg, prompts, attn, kw, a)
@@ -206,8 +204,7 @@ def main() -> None:
     ap.add_argument("--no-autotune", action="store_true", help="skip Inductor's max-autotune GEMMs")
     ap.add_argument("--steps", default="sdpa,triton,triton+autotune,triton+whole,triton+whole+autotune",
                     help="whole-step variants: an attention ('sdpa', 'triton') then +options: autotune (compile_mode "
-                    "max-autotune-no-cudagraphs), whole (compile_scope 'forward'), groupsN (row_groups: N row groups on N "
-                    "CUDA streams), pdl (Inductor's kernels with programmatic dependent launch), warpsN, stagesN, blockN, persmN "
+                    "max-autotune-no-cudagraphs), whole (compile_scope 'forward'), pdl (Inductor's kernels with programmatic dependent launch), warpsN, stagesN, blockN, persmN "
                     "(attention launch settings)")
     ap.add_argument("--profile-rows", type=int, default=24)
     a = ap.parse_args()

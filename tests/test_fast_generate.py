@@ -157,27 +157,6 @@ def test_compiled_decode_equals_plain_loop(scope):
         FastGenerator(model, max_batch=4, max_len=32, compile_scope="model")
 
 
-@pytest.mark.parametrize("groups", [2, 3])
-def test_row_groups_decode_the_same_tokens(groups):
-    """``row_groups``: the decode step's rows in groups (on CUDA each on its own stream, in the
-    graph as parallel branches; here in turn) decode the greedy and seeded tokens of the plain
-    loop; 3 groups of 4 rows is two groups of two."""
-    model = tiny("llama", seed=14)
-    ids, mask = left_padded(seed=15)
-    fg = FastGenerator(model, max_batch=4, max_len=32, row_groups=groups)
-    assert [(r.start, r.stop) for r in fg._row_groups(4)] == [(0, 2), (2, 4)]
-    assert [(r.start, r.stop) for r in fg._row_groups(1)] == [(0, 1)]
-    assert torch.equal(fast(fg, ids, mask, eos=-1, greedy=True).sequences, plain(model, ids, mask, eos=-1, greedy=True).sequences)
-    kw = dict(temperature=0.8, top_k=30)
-    a = fast(fg, ids, mask, eos=-1, generator=torch.Generator(DEVICE).manual_seed(6), **kw)
-    b = plain(model, ids, mask, eos=-1, generator=torch.Generator(DEVICE).manual_seed(6), **kw)
-    assert torch.equal(a.sequences, b.sequences)
-    a = fast(fg, ids[:3], mask[:3], eos=-1, greedy=True)  # a smaller batch: groups of 2 and 1 rows
-    assert torch.equal(a.sequences, plain(model, ids[:3], mask[:3], eos=-1, greedy=True).sequences)
-    with pytest.raises(ValueError, match="row_groups 0 must be a positive integer"):
-        FastGenerator(model, max_batch=4, max_len=32, row_groups=0)
-
-
 def test_smaller_batches_and_repeated_calls_reuse_the_cache(setup):
     model, ids, mask, eos = setup
     fg = FastGenerator(model, max_batch=4, max_len=32)

@@ -269,16 +269,12 @@ class FastGenerator:
     every layer) or 'forward' (all layers, the final norm and the head: fusions across the
     layers' boundaries, a longer compile); ``compile_mode``: ``torch.compile``'s mode (e.g.
     'max-autotune-no-cudagraphs': Inductor's GEMM templates tried against cuBLAS).
-    ``row_groups``: the decode step's rows split into this many groups, each decoded on its own
-    CUDA stream (parallel branches of the graph), then sampled together. At batch 64 a decode
-    GEMM fills a fraction of the GPU for a few microseconds; two groups' kernels overlap, at the
-    price of reading the weights once per group.
     """
 
     def __init__(self, model, max_batch: int, max_len: int, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None, use_cuda_graph: bool = True, check_every: int = 16,
                  compile: bool | None = None, attention: str = "sdpa", compile_scope: str = "layer",
-                 compile_mode: str | None = None, row_groups: int = 1):
+                 compile_mode: str | None = None):
         self.model = model
         self.lm, self.embed, self.layers, self.norm, self.head, rotary = _decoder_parts(model)
         p0 = next(self.lm.parameters())
@@ -315,10 +311,6 @@ class FastGenerator:
         self._resp, self._act = torch.zeros(B, L, **long), torch.zeros(B, L, **long)
         self._rng = torch.Generator(self.device) if self.use_cuda_graph else None
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
-        if int(row_groups) < 1:
-            raise ValueError(f"FastGenerator: row_groups {row_groups!r} must be a positive integer")
-        self.row_groups = int(row_groups)
-        self._streams = [torch.cuda.Stream(self.device) for _ in range(self.row_groups)] if self.device.type == "cuda" else []
         self._pool = None
 
         self._build_weights()
@@ -394,34 +386,12 @@ class FastGenerator:
 
     # ------------------------------------------------------------------ steps
 
-    def _forward(self, ids: Tensor, pos: Tensor, cols: Tensor, mask: Tensor, layer_fn, forward_fn=None,
-                 rows: slice | None = None) -> Tensor:
-        """ids, pos (b, T) -> logits of the last position (b, V); K/V written at ``cols`` of the
-        cache rows ``rows`` (default: the first b)."""
-        rows = rows or slice(0, ids.shape[0])
+    def _forward(self, ids: Tensor, pos: Tensor, cols: Tensor, mask: Tensor, layer_fn, forward_fn=None) -> Tensor:
+        """ids, pos (b, T) -> logits of the last position (b, V); K/V written at ``cols``."""
+        b = ids.shape[0]
         return (forward_fn or _decoder)(ids, pos, cols, mask, self._w_embed, self._w_norm, self._w_head, self._b_head, self.cos,
-                                        self.sin, [c[rows] for c in self.k_cache], [c[rows] for c in self.v_cache], self._w_layers,
+                                        self.sin, [c[:b] for c in self.k_cache], [c[:b] for c in self.v_cache], self._w_layers,
                                         self.dims, self.act, self.dtype, layer_fn)
-
-    def _row_groups(self, b: int) -> list[slice]:
-        """The decode step's rows split into ``row_groups`` near-equal runs (fewer when b is small)."""
-        n = min(self.row_groups, b)
-        size = -(-b // n)
-        return [slice(i, min(i + size, b)) for i in range(0, b, size)]
-
-    def _on_streams(self, groups: list[slice], fn: Callable[[slice], Tensor]) -> list[Tensor]:
-        """``fn(rows)`` for each group, each on its own CUDA stream forked from and joined back
-        into the current one (inside a capture: parallel branches of the graph); in order on CPU."""
-        if self.device.type != "cuda":
-            return [fn(r) for r in groups]
-        main, outs = torch.cuda.current_stream(self.device), []
-        for r, s in zip(groups, self._streams):
-            s.wait_stream(main)
-            with torch.cuda.stream(s):
-                outs.append(fn(r))
-        for s in self._streams[:len(groups)]:
-            main.wait_stream(s)  # the outputs are read on ``main`` only after this; their next writer
-        return outs              # on ``s`` waits for ``main`` again (the next step's fork)
 
     def _prefill(self, input_ids: Tensor, attn: Tensor) -> Tensor:
         """The prompts (b, P) into cache columns 0..P-1 (eager: once a rollout) -> next-token logits (b, V)."""
@@ -446,10 +416,7 @@ class FastGenerator:
         """One decode step from the state buffers (what the graph holds)."""
         bias = self._bias[:b]
         bias.index_fill_(-1, self._col, 0.0)  # the new token's own column becomes visible
-        groups = self._row_groups(b)
-        one = lambda r: self._forward(self._tok[r, None], self._pos[r, None], self._col, self._bias[r],  # noqa: E731
-                                      self._decode_layer, self._decode_forward, r)
-        logits = one(groups[0]) if len(groups) == 1 else torch.cat(self._on_streams(groups, one))
+        logits = self._forward(self._tok[:b, None], self._pos[:b, None], self._col, bias, self._decode_layer, self._decode_forward)
         self._emit(b, sample(logits))
         self._pos[:b] += 1
         self._col += 1
