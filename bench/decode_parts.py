@@ -128,7 +128,7 @@ def attention_sweep(cfg, B: int, L: int, visible: int) -> dict:
     every = lambda f: lambda: f(*next(turn))  # noqa: E731  (each call on the next layer's cache)
     want = F.scaled_dot_product_attention(q, kc, vc, attn_mask=bias, scale=hd ** -0.5)
     out["sdpa_us"] = per_call_us(every(lambda k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=hd ** -0.5)), calls=layers)
-    default = dict(BLOCK_N=da.BLOCK_N, NUM_WARPS=da.NUM_WARPS, NUM_STAGES=da.NUM_STAGES, PROGRAMS_PER_SM=da.PROGRAMS_PER_SM)
+    default = dict(BLOCK_N=da.tile_columns(hd, 2), NUM_WARPS=da.NUM_WARPS, NUM_STAGES=da.NUM_STAGES, PROGRAMS_PER_SM=da.PROGRAMS_PER_SM)
     grid = [dict(default, BLOCK_N=blk, NUM_WARPS=w, NUM_STAGES=st, PROGRAMS_PER_SM=per_sm)
             for blk, w, st, per_sm in itertools.product((32, 64, 128, 256), (2, 4, 8), (1, 2, 3), (4, 8, 16))]  # per_sm > 4: column splits
     rows = []

@@ -146,14 +146,17 @@ def test_fast_generator_with_triton_attention_decodes_as_with_sdpa():
 
 # -- host-side choices (no kernel runs) ---------------------------------------------------------------
 def test_split_count_fills_the_gpu_and_leaves_no_split_without_a_tile():
-    from tasks.ppo.decode_attention import choose_splits
+    from tasks.ppo.decode_attention import choose_splits, tile_columns
 
-    assert choose_splits(64 * 16, 256, 132) == 1  # 0.4b, batch 64: 1024 programs already, no combine
-    assert choose_splits(64 * 2, 256, 132) == 4  # 2 KV heads: 4 x 128 programs (5 wanted, 4 tiles)
-    assert choose_splits(32 * 16, 256, 132) == 2  # 512 programs, 528 wanted
-    assert choose_splits(4 * 2, 4096, 132) == 64  # a small batch over a long cache: 66 wanted, 64 tiles
-    assert choose_splits(4 * 2, 300, 132) == 8  # 5 tiles (the last one partial): decode_attention runs 5
-    assert choose_splits(1, 1, 132) == 1
+    assert tile_columns(64, 2) == 128 and tile_columns(128, 2) == 64 and tile_columns(64, 4) == 64  # 16 KB tiles
+    assert tile_columns(80, 2) == 64 and tile_columns(8, 2) == 256 and tile_columns(256, 4) == 16
+    assert choose_splits(64 * 16, 256, 132, 128) == 1  # 0.4b, batch 64: 1024 programs already, no combine
+    assert choose_splits(64 * 2, 256, 132, 64) == 4  # 2 KV heads: 4 x 128 programs (5 wanted, 4 tiles)
+    assert choose_splits(64 * 2, 256, 132, 128) == 2  # the same in 128-column tiles: 2 tiles
+    assert choose_splits(32 * 16, 256, 132, 64) == 2  # 512 programs, 528 wanted
+    assert choose_splits(4 * 2, 4096, 132, 64) == 64  # a small batch over a long cache: 66 wanted, 64 tiles
+    assert choose_splits(4 * 2, 300, 132, 64) == 8  # 5 tiles (the last one partial): decode_attention runs 5
+    assert choose_splits(1, 1, 132, 64) == 1
 
 
 def test_attention_choice():

@@ -18,7 +18,7 @@ visible, early most of the response columns are not.
 Scores are a ``tl.dot`` of the group's queries, padded to 16 rows (the tensor cores' smallest
 M), with the K tile: at 1 to 8 heads a group most of those rows are zeros, but the kernel is
 bound by reading K/V, not by the MMA, and one code path serves every ``g`` (a broadcast product
-would hold g x BLOCK_N x head_dim fp32 values in registers: spills at g = 8, head_dim = 128).
+would hold g x tile columns x head_dim fp32 values in registers: spills at g = 8, head_dim = 128).
 fp32 inputs use IEEE products (no TF32), so an fp32 cache decodes as SDPA does; those run on
 the FMA units, padding included (16/g times the useful products): right for tests and small
 fp32 models, not the bf16 path that rollouts take.
@@ -38,7 +38,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-BLOCK_N = 64  # cache columns per tile: 64 x head_dim K and V tiles, 8-16 KB each in bf16
+TILE_BYTES = 16384  # one K (or V) tile: 128 cache columns at head_dim 64 in bf16, 64 at head_dim 128 (64 columns
+# always before 2026-12-06: the 0.4b decode step 1.05x slower on an H100, bench/RESULTS.md)
+BLOCK_N: int | None = None  # cache columns per tile; None: from TILE_BYTES (bench/decode_parts.py sets it to sweep)
 MIN_ROWS = 16  # tl.dot's smallest M (and N, K): the group's queries are padded to it
 SMS_IF_NOT_CUDA = 132  # an H200's SM count, for the split choice off CUDA (the interpreter's tests)
 PROGRAMS_PER_SM = 4  # enough programs in flight to keep the memory system busy
@@ -137,7 +139,14 @@ def _combine_kernel(Mx, Sm, Acc, Out, so_b, so_h, so_g, n_kv, G, num_splits,
              out.to(Out.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
 
 
-def choose_splits(pairs: int, L: int, sms: int) -> int:
+def tile_columns(head_dim: int, element_size: int) -> int:
+    """Cache columns per tile: ``BLOCK_N`` when set, else a power of two giving ``TILE_BYTES`` (16 to 256)."""
+    if BLOCK_N:
+        return BLOCK_N
+    return max(MIN_ROWS, min(256, TILE_BYTES // (triton.next_power_of_2(head_dim) * element_size)))
+
+
+def choose_splits(pairs: int, L: int, sms: int, block: int) -> int:
     """Column splits per (row, KV head): the power of two that gives ``PROGRAMS_PER_SM`` programs
     on every SM, short of splits without a whole tile; 1 (no combine kernel) when the rows and
     heads already fill the GPU (0.4b: 64 rows x 16 heads = 1024 programs for 132 SMs).
@@ -146,7 +155,7 @@ def choose_splits(pairs: int, L: int, sms: int) -> int:
     guards and the count a plain int, so the kernels' constants and grid stay concrete; powers of
     two keep the compiled variants per batch-size range few."""
     want, splits = _cdiv(PROGRAMS_PER_SM * sms, pairs), 1
-    while splits * BLOCK_N < L and splits < want:  # L first: no guard on the batch where one tile is all
+    while splits * block < L and splits < want:  # L first: no guard on the batch where one tile is all
         splits *= 2
     return splits
 
@@ -177,8 +186,9 @@ def decode_attention(q: Tensor, kc: Tensor, vc: Tensor, bias: Tensor, scale: flo
     assert kc.stride(-1) == 1 and vc.stride(-1) == 1, "the cache's head dimension must be contiguous"
     if q.stride(-1) != 1:
         q = q.contiguous()
-    splits = num_splits or choose_splits(b * n_kv, L, _sms(q.device))
-    cols_per_split = _cdiv(_cdiv(L, splits), BLOCK_N) * BLOCK_N  # whole tiles
+    block = tile_columns(hd, kc.element_size())
+    splits = num_splits or choose_splits(b * n_kv, L, _sms(q.device), block)
+    cols_per_split = _cdiv(_cdiv(L, splits), block) * block  # whole tiles
     splits = _cdiv(L, cols_per_split)  # no split left without a column
     out = torch.empty((b, n_kv, g, hd), dtype=q.dtype, device=q.device)
     g_pad, hd_pad = max(MIN_ROWS, triton.next_power_of_2(g)), max(MIN_ROWS, triton.next_power_of_2(hd))
@@ -194,7 +204,7 @@ def decode_attention(q: Tensor, kc: Tensor, vc: Tensor, bias: Tensor, scale: flo
         vc.stride(0), vc.stride(1), vc.stride(2), bias.stride(0), bias.stride(3),
         out.stride(0), out.stride(1), out.stride(2),
         n_kv, g, L, cols_per_split, scale, masked, HD=hd,
-        G_PAD=g_pad, HD_PAD=hd_pad, BLOCK=BLOCK_N, ONE_SPLIT=splits == 1, DOT_IN_F32=INTERPRETED,
+        G_PAD=g_pad, HD_PAD=hd_pad, BLOCK=block, ONE_SPLIT=splits == 1, DOT_IN_F32=INTERPRETED,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     if splits > 1:
         torch.library.wrap_triton(_combine_kernel)[(b * n_kv,)](
