@@ -45,11 +45,11 @@ def prompts_for(B: int, P: int, vocab: int, mixed: bool, g: torch.Generator) -> 
     return ids, attn
 
 
-def run_case(fgs: dict, model, ids, attn, N, stops, top_k, top_p, reps) -> dict:
-    """Each FastGenerator of ``fgs`` (attention -> generator; results as 'fast_<attention>') and HF generate."""
+def run_case(fgs: dict, model, ids, attn, N, stops, top_k, top_p, reps, hf: bool = True) -> dict:
+    """Each FastGenerator of ``fgs`` (variant -> generator; results as 'fast_<variant>') and HF generate."""
     kw = dict(max_new_tokens=N, eos_token_id=stops, pad_token_id=PAD, temperature=1.0, top_k=top_k, top_p=top_p)
     out = {}
-    for name in (*(f"fast_{a}" for a in fgs), "hf_generate"):
+    for name in (*(f"fast_{a}" for a in fgs), *(["hf_generate"] if hf else [])):
         def once(name=name):
             if name.startswith("fast_"):
                 r = fgs[name.removeprefix("fast_")].generate(ids, attn, **kw)
@@ -77,7 +77,9 @@ def run_case(fgs: dict, model, ids, attn, N, stops, top_k, top_p, reps) -> dict:
         out[name] = {"s": s, "s_all": ts, "useful_new_tokens_per_s": statistics.median(useful) / s,
                      "all_columns_tokens_per_s": ids.shape[0] * statistics.median(steps) / s,
                      "mean_response_len": statistics.median(useful) / ids.shape[0], "steps_run": statistics.median(steps)}
-    for a in fgs:
+        if name.startswith("fast_"):
+            out[name]["compactions_last_rep"] = fgs[name.removeprefix("fast_")].compactions  # (step, rows decoded from then on)
+    for a in fgs if hf else []:
         out[f"fast_{a}_vs_hf_useful_tokens"] = out[f"fast_{a}"]["useful_new_tokens_per_s"] / out["hf_generate"]["useful_new_tokens_per_s"]
     return out
 
@@ -87,11 +89,14 @@ def main() -> None:
     ap.add_argument("--stop-ids", type=int, default=None, help="how many token ids stop a row in the eos cases (default: vocab / 80)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--cases", default="fixed,eos,mixed_prompts,top_p_top_k,realistic", help="which cases to run, comma-separated")
-    ap.add_argument("--attention", default="sdpa", help="FastGenerator's decode attention(s), comma-separated: sdpa, triton")
+    ap.add_argument("--attention", default="sdpa", help="FastGenerator variants, comma-separated: a decode attention (sdpa, "
+                    "triton), '-nocompact' added for compact=False (every row decoded to the batch's end)")
+    ap.add_argument("--skip-hf", action="store_true", help="no HF generate baseline")
     a = ap.parse_args()
     B, P, N, V = a.batch, a.prompt_len, a.new_tokens, shape_vocab(a.shape)
     model = build_policy(a.shape, DEV, torch.bfloat16, vocab=V).eval()
-    fgs = {att: FastGenerator(model, max_batch=B, max_len=P + N, dtype=torch.bfloat16, attention=att) for att in a.attention.split(",")}
+    fgs = {v: FastGenerator(model, max_batch=B, max_len=P + N, dtype=torch.bfloat16, attention=v.split("-")[0],
+                            compact=not v.endswith("-nocompact")) for v in a.attention.split(",")}
     g = torch.Generator(device=DEV).manual_seed(0)
     a.stop_ids = a.stop_ids or V // 80
     stops = torch.randperm(V - 4, generator=torch.Generator().manual_seed(1))[: a.stop_ids].add(4).tolist()
@@ -102,15 +107,16 @@ def main() -> None:
     cases = {k: cases[k] for k in a.cases.split(",")}
     for name, (mixed, st, k, p) in cases.items():
         ids, attn = prompts_for(B, P, V, mixed, g)
-        res["cases"][name] = c = run_case(fgs, model, ids, attn, N, st, k, p, a.reps)
+        res["cases"][name] = c = run_case(fgs, model, ids, attn, N, st, k, p, a.reps, hf=not a.skip_hf)
         for att in fgs:
             f = c[f"fast_{att}"]
-            print(f"{name:14s} fast ({att:6s}) {f['useful_new_tokens_per_s']:9.0f} useful tok/s ({f['s']:.3f} s, len "
-                  f"{f['mean_response_len']:.1f}, {f['steps_run']} steps)  hf {c['hf_generate']['useful_new_tokens_per_s']:8.0f}"
-                  f"  x{c[f'fast_{att}_vs_hf_useful_tokens']:.1f}", flush=True)
+            print(f"{name:14s} fast ({att:16s}) {f['useful_new_tokens_per_s']:9.0f} useful tok/s ({f['s']:.3f} s, len "
+                  f"{f['mean_response_len']:.1f}, {f['steps_run']} steps, compactions {f['compactions_last_rep']})"
+                  + ("" if a.skip_hf else f"  hf {c['hf_generate']['useful_new_tokens_per_s']:8.0f}  x{c[f'fast_{att}_vs_hf_useful_tokens']:.1f}"),
+                  flush=True)
         if a.out:  # after every case: a later one may not finish within a device call
             write_json(a.out, res)
-    res["useful_tokens_per_s_vs_fixed"] = {
+    res["useful_tokens_per_s_vs_fixed"] = {} if "fixed" not in res["cases"] else {
         att: {k: v[f"fast_{att}"]["useful_new_tokens_per_s"] / res["cases"]["fixed"][f"fast_{att}"]["useful_new_tokens_per_s"]
               for k, v in res["cases"].items()} for att in fgs}
     if a.out:

@@ -157,6 +157,34 @@ def test_compiled_decode_equals_plain_loop(scope):
         FastGenerator(model, max_batch=4, max_len=32, compile_scope="model")
 
 
+def test_compaction_decodes_the_rows_still_going_and_keeps_the_tokens():
+    """Rows that stop early (three stop ids, six of eight rows done within six steps): at the
+    checks the going rows move to the front and the step runs at 4, then 2 rows; greedy and
+    seeded top-p rollouts equal the plain loop's in every field, in row order."""
+    model = tiny("llama", seed=21)
+    ids, mask = left_padded(lengths=(7, 3, 10, 5, 9, 4, 6, 8), seed=22)
+    stops = [10, 81, 52]
+    fg = FastGenerator(model, max_batch=8, max_len=32, check_every=2)
+    assert fg._sizes(8) == [8, 4, 2, 1] and fg._sizes(64) == [64, 32, 16, 8] and fg._sizes(3) == [3, 1]
+    fields = ("sequences", "attention_mask", "action_mask", "ended_with_eos")
+    got, want = fast(fg, ids, mask, stops, greedy=True), plain(model, ids, mask, stops, greedy=True)
+    assert fg.compactions == [(2, 4), (6, 2)], fg.compactions
+    assert all(torch.equal(getattr(got, f), getattr(want, f)) for f in fields)
+    assert got.action_mask.sum(-1).tolist() == [4, 1, N, 2, 1, 2, 6, N]  # rows 2 and 7 decoded to the end
+    compacted = 0
+    for seed in range(3, 7):
+        kw = dict(temperature=0.9, top_p=0.9)
+        got = fast(fg, ids, mask, stops, generator=torch.Generator(DEVICE).manual_seed(seed), **kw)
+        want = plain(model, ids, mask, stops, generator=torch.Generator(DEVICE).manual_seed(seed), **kw)
+        assert all(torch.equal(getattr(got, f), getattr(want, f)) for f in fields), seed
+        compacted += bool(fg.compactions)
+    assert compacted  # the sampled rollouts compacted too (at least one of them)
+    off = FastGenerator(model, max_batch=8, max_len=32, check_every=2, compact=False)
+    assert off._sizes(8) == [8]
+    assert torch.equal(fast(off, ids, mask, stops, greedy=True).sequences, plain(model, ids, mask, stops, greedy=True).sequences)
+    assert off.compactions == []
+
+
 def test_smaller_batches_and_repeated_calls_reuse_the_cache(setup):
     model, ids, mask, eos = setup
     fg = FastGenerator(model, max_batch=4, max_len=32)
@@ -294,7 +322,7 @@ def test_plain_copy_decodes_as_the_model_with_the_trainable_weights_loaded():
 
     peft_model = get_peft_model(tiny("llama", seed=12), LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)).eval()
     ids, mask = left_padded(seed=13)
-    copy = plain_copy(peft_model, "cpu")
+    copy = plain_copy(peft_model, DEVICE)
     orig, mine = dict(peft_model.named_parameters()), dict(copy.named_parameters())
     assert orig.keys() == mine.keys() and not any(p.requires_grad for p in mine.values())
     for n, p in orig.items():  # the frozen base shared, not copied; the adapters apart
@@ -465,7 +493,7 @@ def test_one_token_prompts_after_a_longer_rollout_see_only_their_own_column():
     fg = FastGenerator(model, max_batch=4, max_len=32)
     ids, mask = left_padded()
     fast(fg, ids, mask, eos=-1, greedy=True)  # fills the cache's columns with this rollout's K/V
-    one, one_mask = ids[:, -1:], torch.ones((len(ids), 1), dtype=torch.long)
+    one, one_mask = ids[:, -1:], torch.ones((len(ids), 1), dtype=torch.long, device=DEVICE)
     got = fast(fg, one, one_mask, eos=-1, greedy=True)
     want = plain(model, one, one_mask, eos=-1, greedy=True)
     assert torch.equal(got.sequences, want.sequences)

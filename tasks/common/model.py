@@ -218,6 +218,20 @@ CHECKPOINT_HELP = ("Activation (gradient) checkpointing of every transformer blo
                    "of all). 'auto' = on for CUDA models over 1B parameters, 'on', 'off'.")
 
 
+RECOMPILE_LIMIT = 64
+
+
+def allow_recompiles() -> None:
+    """Raise dynamo's limit of versions per compiled function in a process (8) to ``RECOMPILE_LIMIT``:
+    past it a function compiled with ``fullgraph=True`` fails and any other silently runs eagerly.
+    The learners' compiled blocks (``tasks.ppo.group.compile_blocks``) and FastGenerator's compiled
+    decode layer (one version per batch size until the batch turns symbolic, one per dtype, per
+    split count of the decode attention) both reach it."""
+    import torch._dynamo
+
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+
+
 def transformer_blocks(model) -> list:
     """The model's transformer blocks (the classes its ``_no_split_modules`` names): the units
     FSDP2 shards, ``torch.compile`` compiles and activation checkpointing recomputes one by one."""

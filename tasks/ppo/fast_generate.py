@@ -17,8 +17,16 @@ Here a decode step is three parts, all captured together in one ``torch.cuda.CUD
 3. bookkeeping on device: pad after the stop token (any of the stop ids), the per-row finished
    mask, response and action-mask columns, next position and column.
 
-The host asks "has every row finished?" only every ``check_every`` steps (one sync); the tokens
-do not depend on it, only how many wasted steps follow the last EOS.
+The host asks "how many rows are still going?" only every ``check_every`` steps (one sync); the
+tokens do not depend on it, only how many wasted steps follow the last EOS.
+
+Compaction (``compact``): rows stop at different lengths, and a batch whose rows are mostly done
+still decodes them all. At a check where at most half the current rows are going, the going rows
+are moved to the front of the state and the cache (one gather of their K/V) and the step continues
+at a smaller batch (halvings of the rollout's batch, down to an eighth), each size with its own graph,
+all captured before the rollout starts. The sampler still sees every row of the batch in its own
+place (the logits of the live rows scattered into a full-batch buffer), so it draws the same random
+numbers as the plain loop and the tokens stay equal; the results are put back in row order.
 
 Cache layout: column ``j < P`` holds prompt token ``j`` (left padding included, masked off);
 response token ``s`` goes to column ``P + s``. Positions come from the attention mask as in the
@@ -45,6 +53,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from tasks.common.model import allow_recompiles
 from tasks.ppo.config import FAST_GENERATE_STRATEGIES
 from tasks.ppo.generation import Rollout, _unwrap, position_ids_from_mask, sample_next, stop_ids
 
@@ -259,7 +268,9 @@ class FastGenerator:
 
     ``use_cuda_graph``: capture the decode step (CUDA only; on CPU the same code runs eagerly).
     ``dtype``: cache and compute dtype (default: the dtype of the model's first parameter).
-    ``check_every``: decode steps between host checks of "all rows finished".
+    ``check_every``: decode steps between host checks of how many rows are still going.
+    ``compact``: decode only the rows still going at a smaller batch once half or more have
+    stopped (see the module's docstring).
     ``compile``: ``torch.compile`` the per-layer decode function (default: on CUDA). A decode
     step is ~15 small kernels a layer; their fixed cost, not reading the weights, is the GPU time,
     so fusing the norms, RoPE, the cache write and SwiGLU is what makes the graph fast.
@@ -274,7 +285,7 @@ class FastGenerator:
     def __init__(self, model, max_batch: int, max_len: int, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None, use_cuda_graph: bool = True, check_every: int = 16,
                  compile: bool | None = None, attention: str = "sdpa", compile_scope: str = "layer",
-                 compile_mode: str | None = None):
+                 compile_mode: str | None = None, compact: bool = True):
         self.model = model
         self.lm, self.embed, self.layers, self.norm, self.head, rotary = _decoder_parts(model)
         p0 = next(self.lm.parameters())
@@ -309,6 +320,10 @@ class FastGenerator:
         self._bias = torch.zeros(B, 1, 1, L, **kw)  # 0 where a row may attend, dtype's min elsewhere
         self._finished = torch.zeros(B, dtype=torch.bool, device=self.device)
         self._resp, self._act = torch.zeros(B, L, **long), torch.zeros(B, L, **long)
+        self.compact = bool(compact)
+        self._row = torch.arange(B, **long)  # the batch row decoded in each state slot (compaction reorders them)
+        self._logits = torch.zeros(B, _out_features(self.head), **kw)  # the sampler's full batch after compaction
+        self.compactions: list[tuple[int, int]] = []  # the last rollout's (step, rows decoded from then on)
         self._rng = torch.Generator(self.device) if self.use_cuda_graph else None
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._pool = None
@@ -319,6 +334,8 @@ class FastGenerator:
             raise ValueError(f"FastGenerator: compile_scope {compile_scope!r} is not 'layer' or 'forward'")
         # dynamic=None: a second batch size recompiles once with a symbolic batch dimension
         kw = dict(fullgraph=True, mode=compile_mode)
+        if want_compile:
+            allow_recompiles()  # the compacted batch sizes, dtypes, split counts: more than dynamo's 8 versions
         self._decode_layer = torch.compile(_layer, **kw) if want_compile and compile_scope == "layer" else _layer
         self._decode_forward = torch.compile(_decoder, **kw) if want_compile and compile_scope == "forward" else _decoder
 
@@ -412,14 +429,38 @@ class FastGenerator:
         self._tok[:b].copy_(token)
         self._step += 1
 
-    def _decode(self, b: int, sample: Callable[[Tensor], Tensor]) -> None:
-        """One decode step from the state buffers (what the graph holds)."""
-        bias = self._bias[:b]
+    def _decode(self, b: int, sample: Callable[[Tensor], Tensor], n: int | None = None) -> None:
+        """One decode step from the state buffers (what the graph holds) of a ``b``-row rollout,
+        its first ``n`` state slots decoded (default all; fewer after a compaction)."""
+        n = b if n is None else n
+        bias = self._bias[:n]
         bias.index_fill_(-1, self._col, 0.0)  # the new token's own column becomes visible
-        logits = self._forward(self._tok[:b, None], self._pos[:b, None], self._col, bias, self._decode_layer, self._decode_forward)
-        self._emit(b, sample(logits))
-        self._pos[:b] += 1
+        logits = self._forward(self._tok[:n, None], self._pos[:n, None], self._col, bias, self._decode_layer, self._decode_forward)
+        if n < b:  # the sampler sees every row in its own place: the plain loop's random numbers
+            rows = self._row[:n]
+            token = sample(self._logits[:b].index_copy_(0, rows, logits)).index_select(0, rows)
+        else:
+            token = sample(logits)
+        self._emit(n, token)
+        self._pos[:n] += 1
         self._col += 1
+
+    def _sizes(self, b: int) -> list[int]:
+        """The batch sizes a ``b``-row rollout decodes at: b, then its halvings down to an eighth (with ``compact``)."""
+        sizes = [b]
+        while self.compact and sizes[-1] // 2 >= max(1, b // 8):
+            sizes.append(sizes[-1] // 2)
+        return sizes
+
+    def _compact(self, n: int, to: int) -> None:
+        """Move the going rows among the first ``n`` slots to the front and keep ``to`` slots decoding:
+        every per-row state buffer is reordered, the K/V of the first ``to`` gathered."""
+        order = torch.argsort(self._finished[:n].to(torch.int8), stable=True)  # going first, in slot order
+        for buf in (self._tok, self._pos, self._finished, self._resp, self._act, self._bias, self._row):
+            buf[:n] = buf[:n].index_select(0, order)
+        keep = order[:to]
+        for c in self.k_cache + self.v_cache:
+            c[:to] = c[:n].index_select(0, keep)
 
     def _set_stops(self, ids: list[int]) -> None:
         if len(ids) > self._stop.numel():  # the graphs read the old buffer's address
@@ -442,20 +483,24 @@ class FastGenerator:
         self._finished[:b].zero_()
         self._resp[:b].fill_(pad)
         self._act[:b].zero_()
+        self._row[:b] = torch.arange(b, device=self.device)
 
-    def _graph(self, b: int, key: tuple, sample: Callable[[Tensor], Tensor]) -> torch.cuda.CUDAGraph:
+    def _graph(self, b: int, n: int, key: tuple, sample: Callable[[Tensor], Tensor]) -> torch.cuda.CUDAGraph:
+        """The decode step of a ``b``-row rollout over its first ``n`` slots, captured (before a rollout:
+        the warm-up steps overwrite the state)."""
+        key = (*key, n)
         if key not in self._graphs:
             self._reset(b)  # warm-up steps write columns 0, 1, 2: in range whatever came before
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # outside capture: compilation, cuBLAS handles, workspaces
                 for _ in range(2):
-                    self._decode(b, sample)
+                    self._decode(b, sample, n)
             torch.cuda.current_stream().wait_stream(side)
             g = torch.cuda.CUDAGraph()
             g.register_generator_state(self._rng)
             with torch.cuda.graph(g, pool=self._pool):
-                self._decode(b, sample)
+                self._decode(b, sample, n)
             self._pool = g.pool()
             self._graphs[key] = g
         return self._graphs[key]
@@ -486,11 +531,12 @@ class FastGenerator:
         self.refresh_weights()
         self._set_stops(stop_ids(eos_token_id))
         self._pad.fill_(pad_token_id)
-        graph, source, rng = None, generator, generator
+        graphs, source, rng, sizes = None, generator, generator, self._sizes(b)
         if self.use_cuda_graph:
             rng = self._rng
             sample = lambda logits: sample_next(logits, temperature, top_k, top_p, rng, greedy)  # noqa: E731
-            graph = self._graph(b, (b, float(temperature), int(top_k), float(top_p), bool(greedy)), sample)
+            key = (b, float(temperature), int(top_k), float(top_p), bool(greedy))
+            graphs = {n: self._graph(b, n, key, sample) for n in sizes}
             if source is None:
                 source = torch.cuda.default_generators[self.device.index if self.device.index is not None else torch.cuda.current_device()]
             rng.set_state(source.get_state())  # after capture: its warm-up steps drew numbers too
@@ -499,29 +545,38 @@ class FastGenerator:
 
         self._reset(b, attn, pad_token_id)
         self._emit(b, sample(self._prefill(input_ids, attn)))
+        n, self.compactions = b, []
         for step in range(1, N):
             if step % self.check_every == 0:
-                done = bool(self._finished[:b].all())
-                if (all_finished(done) if all_finished is not None else done):
+                going = int((~self._finished[:n]).sum())
+                if (all_finished(going == 0) if all_finished is not None else going == 0):
                     break
-            if graph is not None:
-                graph.replay()
+                to = min(s for s in sizes if s >= going)
+                if to < n:
+                    self._compact(n, to)
+                    n = to
+                    self.compactions.append((step, n))
+            if graphs is not None:
+                graphs[n].replay()
             else:
-                self._decode(b, sample)
-        if graph is not None:
+                self._decode(b, sample, n)
+        if graphs is not None:
             source.set_state(rng.get_state())
 
-        responses, act = self._resp[:b, :N].clone(), self._act[:b, :N].clone()
+        rows = self._row[:b]  # back to row order (slot i holds row rows[i])
+        responses = torch.empty_like(self._resp[:b, :N]).index_copy_(0, rows, self._resp[:b, :N])
+        act = torch.empty_like(self._act[:b, :N]).index_copy_(0, rows, self._act[:b, :N])
         return Rollout(
             sequences=torch.cat([input_ids, responses], dim=1),
             attention_mask=torch.cat([attn, act], dim=1),
             action_mask=act.float(),
-            ended_with_eos=self._finished[:b].clone(),
+            ended_with_eos=torch.empty_like(self._finished[:b]).index_copy_(0, rows, self._finished[:b]),
         )
 
     def info(self) -> dict:
-        """What the decode runs with: {'cuda_graphs', 'graph_batch_sizes', 'weight_copy_gib', 'compiled', 'attention'}."""
-        return {"cuda_graphs": self.use_cuda_graph, "graph_batch_sizes": sorted({k[0] for k in self._graphs}),
+        """What the decode runs with: {'cuda_graphs', 'graph_batch_sizes', 'weight_copy_gib', 'compiled', 'attention',
+        'compact'}."""
+        return {"cuda_graphs": self.use_cuda_graph, "graph_batch_sizes": sorted({k[0] for k in self._graphs}), "compact": self.compact,
                 "weight_copy_gib": self.weight_copy_bytes() / 2**30,
                 "compiled": self._decode_layer is not _layer or self._decode_forward is not _decoder,
                 "attention": self.dims.attention}

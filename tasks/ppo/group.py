@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from tasks.common.dist import free_port, init_distributed, node_ip, placement_bundles
-from tasks.common.model import transformer_blocks
+from tasks.common.model import allow_recompiles, transformer_blocks
 from tasks.ppo.config import PPOConfig, RoleConfig
 
 log = logging.getLogger("rlhf.ppo")
@@ -337,9 +337,6 @@ class DistributedWorker:
 
 # ----------------------------------------------------------------------------- strategies
 
-RECOMPILE_LIMIT = 64
-
-
 def compile_blocks(model, mode: str | None = None) -> int:
     """Regional compilation: ``torch.compile`` every transformer block of ``model`` in place
     (``mode``: torch.compile's, e.g. 'reduce-overhead' for CUDA graphs; the stage uses the default).
@@ -354,12 +351,10 @@ def compile_blocks(model, mode: str | None = None) -> int:
     (the shared reference), static then dynamic shapes: the actor alone makes 8, dynamo's default
     limit, past which every new one silently runs eagerly (packed rows beside unpacked ones, or a
     second model of the same layer class in the process: ``hit config.recompile_limit (8)`` in
-    bench/useful_mfu.py on an H100, whose next variant then ran eagerly). The limit is raised to
-    ``RECOMPILE_LIMIT``.
+    bench/useful_mfu.py on an H100, whose next variant then ran eagerly). The limit is raised
+    (``allow_recompiles``).
     """
-    import torch._dynamo
-
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    allow_recompiles()
     blocks = transformer_blocks(model)
     for block in blocks:
         block.compile(mode=mode)
