@@ -446,6 +446,7 @@ def test_policy_worker_fast_rollouts_equal_plain_ones_before_and_after_learning(
         assert_same(after, plain_after)
         info = ray.get(fast_w.rollout_info.remote())
         assert info["cuda_graphs"] == (DEVICE == "cuda") and info["graph_batch_sizes"] == ([12] if DEVICE == "cuda" else [])
+        assert info["compact"] and not ray.get(plain_w.rollout_info.remote())["compact"]  # on by default; the plain loop has none
     finally:
         for group, pg, _ in started:
             group.kill()
