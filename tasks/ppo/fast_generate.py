@@ -452,15 +452,16 @@ class FastGenerator:
             sizes.append(sizes[-1] // 2)
         return sizes
 
-    def _compact(self, n: int, to: int) -> None:
+    def _compact(self, n: int, to: int, cols: int) -> None:
         """Move the going rows among the first ``n`` slots to the front and keep ``to`` slots decoding:
-        every per-row state buffer is reordered, the K/V of the first ``to`` gathered."""
+        every per-row state buffer is reordered, the K/V of the first ``to`` gathered (the ``cols``
+        cache columns written so far)."""
         order = torch.argsort(self._finished[:n].to(torch.int8), stable=True)  # going first, in slot order
         for buf in (self._tok, self._pos, self._finished, self._resp, self._act, self._bias, self._row):
             buf[:n] = buf[:n].index_select(0, order)
         keep = order[:to]
         for c in self.k_cache + self.v_cache:
-            c[:to] = c[:n].index_select(0, keep)
+            c[:to, :, :cols] = c[:n, :, :cols].index_select(0, keep)
 
     def _set_stops(self, ids: list[int]) -> None:
         if len(ids) > self._stop.numel():  # the graphs read the old buffer's address
@@ -553,7 +554,7 @@ class FastGenerator:
                     break
                 to = min(s for s in sizes if s >= going)
                 if to < n:
-                    self._compact(n, to)
+                    self._compact(n, to, P + step - 1)  # the columns written so far: the prompt, then one a decode step
                     n = to
                     self.compactions.append((step, n))
             if graphs is not None:
