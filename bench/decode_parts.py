@@ -7,8 +7,9 @@ One bf16 random-weight Llama of ``--shape``, one process, side by side:
 
 - **GEMMs**: each of a layer's four matmuls (packed q/k/v, o, packed gate/up, down) and the LM
   head at M = batch, as cuBLAS runs them (``F.linear``) and as Inductor's max-autotune picks
-  (its Triton templates against cuBLAS), each timed inside a CUDA graph of back-to-back calls
-  (the decode graph's situation): us per call and the weight bytes read per second.
+  (its Triton templates against cuBLAS), each timed inside a CUDA graph of back-to-back calls,
+  one per layer on its own weight (the decode graph's situation): us per call and the weight
+  bytes read per second.
 - **Attention**: the split-K Triton kernel (tasks/ppo/decode_attention.py) over launch settings
   (columns per tile, warps, pipeline stages, column splits) and SDPA,
   at mid-rollout (the prompt and half the response visible): us per call against the visible
@@ -70,19 +71,23 @@ def per_call_us(fn, calls: int = 24, reps: int = 20) -> float:
 
 
 def gemms(cfg, B: int, autotune: bool) -> dict:
-    d, hd = cfg.hidden_size, cfg.hidden_size // cfg.num_attention_heads
+    """Each matmul of a layer at M = B, one call per layer on that layer's own weight (as the decode
+    step reads them; one weight read in a row stays in the L2 and times faster: the numbers of
+    2026-12-05 were taken that way)."""
+    d, hd, layers = cfg.hidden_size, cfg.hidden_size // cfg.num_attention_heads, cfg.num_hidden_layers
     kv = cfg.num_key_value_heads * hd
     shapes = {"qkv": (d, d + 2 * kv), "o": (d, d), "gate_up": (d, 2 * cfg.intermediate_size),
               "down": (cfg.intermediate_size, d), "lm_head": (d, cfg.vocab_size)}
     out = {}
     for name, (k, n) in shapes.items():
         x = torch.randn(B, k, device=DEV, dtype=torch.bfloat16)
-        w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * 0.02
-        r = out[name] = {"k": k, "n": n, "weight_mb": w.numel() * 2 / 1e6}
-        r["cublas_us"] = per_call_us(lambda: F.linear(x, w))
+        ws = [torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * 0.02 for _ in range(1 if name == "lm_head" else layers)]
+        w, turn = ws[0], itertools.cycle(ws)
+        r = out[name] = {"k": k, "n": n, "weight_mb": w.numel() * 2 / 1e6, "weights": len(ws)}
+        r["cublas_us"] = per_call_us(lambda: F.linear(x, next(turn)), calls=len(ws))
         if autotune and DEV == "cuda":
             f = torch.compile(F.linear, mode="max-autotune-no-cudagraphs", dynamic=False)
-            r["max_autotune_us"] = per_call_us(lambda: f(x, w))
+            r["max_autotune_us"] = per_call_us(lambda: f(x, next(turn)), calls=len(ws))
         for k_ in [k_ for k_ in r if k_.endswith("_us")]:
             r[k_.replace("_us", "_weight_gbps")] = w.numel() * 2 / r[k_] / 1e3
         print(f"gemm {name:8s} {k}x{n}: " + ", ".join(f"{k_} {v:.1f}" for k_, v in r.items() if k_.endswith(("_us", "_gbps"))), flush=True)
