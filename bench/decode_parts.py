@@ -15,8 +15,9 @@ One bf16 random-weight Llama of ``--shape``, one process, side by side:
   at mid-rollout (the prompt and half the response visible): us per call against the visible
   K/V bytes.
 - **Whole steps** (``--steps``): FastGenerator's graph-replayed decode step for the decode
-  attention, compile and launch variants (``best``: the attention sweep's fastest), against the step's memory floor, and the
-  kernels of one step of each (profiler) at mid-rollout, as the graph replays them and eagerly.
+  attention, compile and launch variants (``best``: the attention sweep's fastest), against the
+  step's memory floor, and the kernels of one step of each (profiler) at mid-rollout, as the
+  graph replays them and eagerly.
 
 Numbers go to ``--out`` (JSON) and the log.
 """
@@ -199,9 +200,9 @@ def step_variant(model, name: str, prompts, attn, a, gbps: float) -> dict:
 
 
 def main() -> None:
-    # Inductor's on-disk caches key a compiled graph without the constexpr arguments of a Triton
-    # kernel it calls (seen 2026-12-06: a step variant with other attention launch settings ran
-    # the previous variant's kernel, compiled in 0.4 s): every variant here compiles afresh
+    # Inductor's on-disk caches served a step variant the compiled layer of the previous one, with
+    # that one's attention launch settings (seen 2026-12-06: set up in 0.4 s, the same kernel
+    # times): every variant here compiles afresh
     torch._inductor.config.fx_graph_cache = False
     torch._functorch.config.enable_autograd_cache = False
     ap = workload_args(__doc__.splitlines()[0])
