@@ -71,7 +71,31 @@ def per_call_us(fn, calls: int = 24, reps: int = 20) -> float:
     return start.elapsed_time(end) / (reps * calls) * 1e3
 
 
-def gemms(cfg, B: int, autotune: bool) -> dict:
+def triton_gemms(r: dict, x, ws, turn) -> None:
+    """tasks/ppo/decode_linear.py's split-K kernel on the same calls: its own choice of (block_n,
+    splits) with and without the sum over the splits (a separate kernel here; in the compiled
+    layer Inductor folds it into the next one), then a sweep of block_n x splits x BLOCK_K x
+    stages, the partials alone."""
+    import tasks.ppo.decode_linear as dl
+
+    saved = dl.CONFIG, dl.BLOCK_K, dl.NUM_STAGES
+    r["triton_choice"] = list(dl.choose(ws[0].shape[0], ws[0].shape[1], torch.cuda.get_device_properties(0).multi_processor_count))
+    r["triton_auto_us"] = per_call_us(lambda: dl.decode_linear_partials(x, next(turn)), calls=len(ws))
+    r["triton_auto_sum_us"] = per_call_us(lambda: dl.decode_linear_partials(x, next(turn)).sum(0).to(x.dtype), calls=len(ws))
+    sweep = {}
+    try:
+        for block_n, splits, block_k, stages in itertools.product((32, 64, 128), (1, 2, 4, 8), (64, 128), (3, 4)):
+            dl.CONFIG, dl.BLOCK_K, dl.NUM_STAGES = (block_n, splits), block_k, stages
+            if -(-x.shape[1] // splits) < block_k:
+                continue
+            sweep[f"n{block_n}_s{splits}_k{block_k}_st{stages}"] = per_call_us(lambda: dl.decode_linear_partials(x, next(turn)), calls=len(ws))
+    finally:
+        dl.CONFIG, dl.BLOCK_K, dl.NUM_STAGES = saved
+    best = min(sweep, key=sweep.get)
+    r["triton_sweep"], r["triton_best"], r["triton_best_us"] = sweep, best, sweep[best]
+
+
+def gemms(cfg, B: int, autotune: bool, triton_sweep: bool = True) -> dict:
     """Each matmul of a layer at M = B, one call per layer on that layer's own weight (as the decode
     step reads them; one weight read in a row stays in the L2 and times faster: the numbers of
     2026-12-05 were taken that way)."""
@@ -89,6 +113,8 @@ def gemms(cfg, B: int, autotune: bool) -> dict:
         if autotune and DEV == "cuda":
             f = torch.compile(F.linear, mode="max-autotune-no-cudagraphs", dynamic=False)
             r["max_autotune_us"] = per_call_us(lambda: f(x, next(turn)), calls=len(ws))
+        if triton_sweep and DEV == "cuda":
+            triton_gemms(r, x, ws, turn)
         for k_ in [k_ for k_ in r if k_.endswith("_us")]:
             r[k_.replace("_us", "_weight_gbps")] = w.numel() * 2 / r[k_] / 1e3
         print(f"gemm {name:8s} {k}x{n}: " + ", ".join(f"{k_} {v:.1f}" for k_, v in r.items() if k_.endswith(("_us", "_gbps"))), flush=True)
@@ -179,9 +205,11 @@ def step_variant(model, name: str, prompts, attn, a, gbps: float) -> dict:
     kw = rollout_kw(N)
     a.reps, a.copy_gbps, a.profile = 3, gbps, False
     pdl = torch._inductor.config.patch({"triton.enable_pdl": "pdl" in opts})  # Inductor's kernels launched with PDL
+    linear = "triton" if "tlinear" in opts else "cublas"  # tasks/ppo/decode_linear.py's split-K GEMMs
     with launch(settings), pdl:
         fg, r = time_fast(model, prompts, attn, kw, a, attention=attention, compile_scope="forward" if "whole" in opts else "layer",
-                          compile_mode="max-autotune-no-cudagraphs" if "autotune" in opts and DEV == "cuda" else None)
+                          compile_mode="max-autotune-no-cudagraphs" if "autotune" in opts and DEV == "cuda" else None,
+                          linear=linear)
         try:
             if DEV == "cuda":
                 r["decode_step"] = decode_step_numbers(fg, prompts, attn, kw, a)
@@ -210,7 +238,7 @@ def main() -> None:
     ap.add_argument("--no-autotune", action="store_true", help="skip Inductor's max-autotune GEMMs")
     ap.add_argument("--steps", default="sdpa,triton,triton+autotune,triton+whole,triton+whole+autotune",
                     help="whole-step variants: an attention ('sdpa', 'triton') then +options: autotune (compile_mode "
-                    "max-autotune-no-cudagraphs), whole (compile_scope 'forward'), pdl (Inductor's kernels with programmatic dependent launch), warpsN, stagesN, blockN, persmN "
+                    "max-autotune-no-cudagraphs), whole (compile_scope 'forward'), pdl (Inductor's kernels with programmatic dependent launch), tlinear (the split-K Triton linears), warpsN, stagesN, blockN, persmN "
                     "(attention launch settings)")
     ap.add_argument("--profile-rows", type=int, default=24)
     a = ap.parse_args()

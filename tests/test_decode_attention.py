@@ -123,7 +123,8 @@ def _run(check) -> str:
     """``check`` natively on CUDA, else in a fresh interpreter-mode process; its result line."""
     if DEVICE == "cuda":
         return check(DEVICE)
-    code = f"from tests.test_decode_attention import {check.__name__} as c; print('RESULT', c('cpu'))"
+    module = f"tests.{Path(check.__code__.co_filename).stem}"  # the check's own test file
+    code = f"from {module} import {check.__name__} as c; print('RESULT', c('cpu'))"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]

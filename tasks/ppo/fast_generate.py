@@ -119,6 +119,26 @@ def pick_decode_attention(choice: str, device: torch.device) -> str:
     return "triton"
 
 
+DECODE_LINEAR = ("cublas", "triton")
+
+
+def pick_decode_linear(choice: str, device: torch.device) -> str:
+    """FastGenerator's ``linear``, checked: 'cublas' or 'triton' (which, like the Triton attention,
+    needs the triton package and a CUDA device or Triton's interpreter)."""
+    if choice not in DECODE_LINEAR:
+        raise ValueError(f"FastGenerator: linear {choice!r} is not one of {DECODE_LINEAR}")
+    if choice == "cublas":
+        return choice
+    try:
+        from tasks.ppo import decode_linear  # registers torch.ops.rlhf.decode_linear_partials
+    except ImportError as e:
+        raise ValueError(f"FastGenerator: linear 'triton' needs the triton package ({e}); use linear 'cublas'") from e
+    if device.type != "cuda" and not decode_linear.INTERPRETED:
+        raise ValueError(f"FastGenerator: linear 'triton' needs a CUDA device (this one is {device}) or Triton's "
+                         "interpreter (TRITON_INTERPRET=1); use linear 'cublas'")
+    return choice
+
+
 # ----------------------------------------------------------------------------- the model, by hand
 
 class Dims(NamedTuple):
@@ -128,6 +148,7 @@ class Dims(NamedTuple):
     scale: float
     eps: float
     attention: str = "sdpa"  # the decode attention: 'sdpa' or 'triton' (a constant of the compiled layer)
+    linear: str = "cublas"  # the decode step's linears: 'cublas' (F.linear) or 'triton' (tasks/ppo/decode_linear.py)
 
 
 def _rms(x: Tensor, w: Tensor, eps: float) -> Tensor:
@@ -155,6 +176,18 @@ def _decode_attention(q: Tensor, kc: Tensor, vc: Tensor, bias: Tensor, d: Dims) 
     return F.scaled_dot_product_attention(q, kc, vc, attn_mask=bias, scale=d.scale)
 
 
+def _linear(x: Tensor, w: Tensor, bias: Tensor | None, d: Dims, decode: bool) -> Tensor:
+    """F.linear, or at a decode step of at most 64 rows (``decode_linear.MAX_ROWS``) with
+    ``d.linear`` 'triton' the split-K kernel of tasks/ppo/decode_linear.py: its fp32 partials
+    summed, the bias added, cast (Inductor folds this into the kernel that consumes the product)."""
+    if d.linear != "triton" or not decode or x.shape[0] * x.shape[1] > 64:
+        return F.linear(x, w, bias)
+    y = torch.ops.rlhf.decode_linear_partials(x.reshape(-1, x.shape[-1]), w).sum(0)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
+
+
 def _layer(x: Tensor, kc: Tensor, vc: Tensor, cols: Tensor, mask: Tensor, cos: Tensor, sin: Tensor,
            w: tuple, d: Dims, act: Callable) -> Tensor:
     """One decoder layer over T new tokens per row: (b, T, dm) -> (b, T, dm); writes their K/V.
@@ -168,7 +201,8 @@ def _layer(x: Tensor, kc: Tensor, vc: Tensor, cols: Tensor, mask: Tensor, cos: T
     ln1, wqkv, bqkv, qn, kn, wo, bo, ln2, wgu, bgu, wd, bd = w
     b, T, _ = x.shape
     nq, nkv, hd = d.n_heads * d.head_dim, d.n_kv * d.head_dim, d.head_dim
-    q, k, v = F.linear(_rms(x, ln1, d.eps), wqkv, bqkv).split([nq, nkv, nkv], dim=-1)
+    decode = mask.dtype != torch.bool
+    q, k, v = _linear(_rms(x, ln1, d.eps), wqkv, bqkv, d, decode).split([nq, nkv, nkv], dim=-1)
     q, k, v = q.view(b, T, d.n_heads, hd), k.view(b, T, d.n_kv, hd), v.view(b, T, d.n_kv, hd)
     if qn is not None:  # Qwen3: RMSNorm over head_dim before RoPE
         q, k = _rms(q, qn, d.eps), _rms(k, kn, d.eps)
@@ -176,15 +210,15 @@ def _layer(x: Tensor, kc: Tensor, vc: Tensor, cols: Tensor, mask: Tensor, cos: T
     q, k = _rope(q, cos, sin), _rope(k, cos, sin)
     kc.index_copy_(2, cols, k)
     vc.index_copy_(2, cols, v)
-    if mask.dtype != torch.bool:
+    if decode:
         o = _decode_attention(q, kc, vc, mask, d).reshape(b, 1, nq)
     else:
         o = F.scaled_dot_product_attention(q, kc[:, :, :T], vc[:, :, :T], attn_mask=mask, scale=d.scale,
                                            enable_gqa=d.n_kv != d.n_heads)
         o = o.transpose(1, 2).reshape(b, T, nq)
-    x = x + F.linear(o, wo, bo)
-    gate, up = F.linear(_rms(x, ln2, d.eps), wgu, bgu).chunk(2, dim=-1)
-    return x + F.linear(act(gate) * up, wd, bd)
+    x = x + _linear(o, wo, bo, d, decode)
+    gate, up = _linear(_rms(x, ln2, d.eps), wgu, bgu, d, decode).chunk(2, dim=-1)
+    return x + _linear(act(gate) * up, wd, bd, d, decode)
 
 
 def _decoder(ids: Tensor, pos: Tensor, cols: Tensor, mask: Tensor, embed: Tensor, norm: Tensor, head: Tensor, head_bias: Tensor | None,
@@ -279,13 +313,15 @@ class FastGenerator:
     either way. ``compile_scope``: what one compiled graph covers, 'layer' (compiled once, run for
     every layer) or 'forward' (all layers, the final norm and the head: fusions across the
     layers' boundaries, a longer compile); ``compile_mode``: ``torch.compile``'s mode (e.g.
-    'max-autotune-no-cudagraphs': Inductor's GEMM templates tried against cuBLAS).
+    'max-autotune-no-cudagraphs': Inductor's GEMM templates tried against cuBLAS). ``linear``: the
+    decode step's linears, 'cublas' (F.linear) or 'triton' (the split-K kernel of
+    tasks/ppo/decode_linear.py, batches of at most 64 rows; see ``pick_decode_linear``).
     """
 
     def __init__(self, model, max_batch: int, max_len: int, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None, use_cuda_graph: bool = True, check_every: int = 16,
                  compile: bool | None = None, attention: str = "sdpa", compile_scope: str = "layer",
-                 compile_mode: str | None = None, compact: bool = True):
+                 compile_mode: str | None = None, compact: bool = True, linear: str = "cublas"):
         self.model = model
         self.lm, self.embed, self.layers, self.norm, self.head, rotary = _decoder_parts(model)
         p0 = next(self.lm.parameters())
@@ -300,7 +336,8 @@ class FastGenerator:
         head_dim = getattr(attn0, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         n_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.dims = Dims(cfg.num_attention_heads, n_kv, head_dim, float(getattr(attn0, "scaling", head_dim ** -0.5)),
-                         float(self.norm.variance_epsilon), pick_decode_attention(attention, self.device))
+                         float(self.norm.variance_epsilon), pick_decode_attention(attention, self.device),
+                         pick_decode_linear(linear, self.device))
         self.act = self.layers[0].mlp.act_fn
 
         kw = dict(device=self.device, dtype=self.dtype)
@@ -576,8 +613,8 @@ class FastGenerator:
 
     def info(self) -> dict:
         """What the decode runs with: {'cuda_graphs', 'graph_batch_sizes', 'weight_copy_gib', 'compiled', 'attention',
-        'compact'}."""
+        'linear', 'compact'}."""
         return {"cuda_graphs": self.use_cuda_graph, "graph_batch_sizes": sorted({k[0] for k in self._graphs}), "compact": self.compact,
                 "weight_copy_gib": self.weight_copy_bytes() / 2**30,
                 "compiled": self._decode_layer is not _layer or self._decode_forward is not _decoder,
-                "attention": self.dims.attention}
+                "attention": self.dims.attention, "linear": self.dims.linear}

@@ -1,0 +1,107 @@
+"""Split-K skinny GEMM for the decode step's linears, in Triton: x (M, K) @ w (N, K)^T at M <= 64.
+
+At one token per row the decode step's four GEMMs a layer read 26 MB of weights (0.4b) at about
+1.2 TB/s on an H100 (bench/RESULTS.md, 2026-12-06): at M = 64 cuBLAS's kernels spend a few
+microseconds of fixed cost each, and the down projection (N = 1024, K = 2816) has too few output
+tiles to keep the SMs reading. Here a program takes one ``BLOCK_N`` slice of the output columns
+and one of ``splits`` runs of K, reads its weight tile once for every row, and writes an fp32
+partial sum: ``decode_linear_partials`` returns (splits, M, N) fp32 and the caller sums over the
+first dimension (tasks/ppo/fast_generate.py's ``_linear``). Inside FastGenerator's compiled layer that sum is folded by Inductor into the
+kernel that consumes the product (RoPE and the cache write, the residual add and RMSNorm,
+SwiGLU), so a split-K costs no reduce kernel of its own, and the sum's order is fixed (no atomics:
+seeded rollouts stay reproducible).
+
+Not yet measured on a GPU (written in a session without device time, 2026-12-06): FastGenerator
+keeps ``linear='cublas'`` by default. bench/decode_parts.py's gemm part times this kernel beside
+cuBLAS over launch settings (24 layer weights in turn, cold L2), and its step option ``tlinear``
+runs it in the whole decode step; the tests run it in Triton's interpreter on CPU and natively on
+a GPU.
+
+Like tasks/ppo/decode_attention.py a ``torch.library.triton_op``; the module imports triton at the
+top: import it only where the kernel is wanted.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+MAX_ROWS = 64  # one tile of rows: the decode batch (FastGenerator uses F.linear above it)
+BLOCK_K = 128  # K per loop step (bf16: 256-byte rows of the weight tile)
+NUM_WARPS, NUM_STAGES = 4, 4
+PROGRAMS_PER_SM = 2  # output tiles x K splits aimed at: the programs in flight that keep the memory system busy
+SMS_IF_NOT_CUDA = 132
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # widen tl.dot's bf16 operands (see decode_attention.py)
+CONFIG: tuple[int, int] | None = None  # (block_n, splits) forced for every shape (bench/decode_parts.py sweeps it)
+
+
+@triton.jit
+def _partials_kernel(X, W, P, M, N, K, sx_m, sw_n, k_per_split,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_IN_F32: tl.constexpr):
+    """P[split, m, n] = sum over this split's K of X[m, k] W[n, k], fp32."""
+    tile, split = tl.program_id(0), tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok, n_ok = offs_m < M, offs_n < N
+    start = split * k_per_split
+    end = tl.minimum(start + k_per_split, K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(start, end, BLOCK_K):
+        ks = k0 + offs_k
+        k_ok = ks < end
+        x = tl.load(X + offs_m[:, None] * sx_m + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        wt = tl.load(W + offs_n[None, :].to(tl.int64) * sw_n + ks[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        if DOT_IN_F32:
+            x, wt = x.to(tl.float32), wt.to(tl.float32)
+        acc += tl.dot(x, wt, input_precision="ieee")
+    out = P + split * M * N + offs_m[:, None] * N + offs_n[None, :]
+    tl.store(out, acc, mask=m_ok[:, None] & n_ok[None, :])
+
+
+def choose(n: int, k: int, sms: int) -> tuple[int, int]:
+    """(block_n, splits): 64 output columns a program where that gives enough programs, else 32;
+    then K halved (in whole ``BLOCK_K`` steps) until ``PROGRAMS_PER_SM`` programs an SM."""
+    if CONFIG:
+        return CONFIG
+    block_n = 64 if _cdiv(n, 64) >= sms else 32
+    tiles, splits = _cdiv(n, block_n), 1
+    while tiles * splits * 2 <= PROGRAMS_PER_SM * sms and _cdiv(k, splits * 2) >= BLOCK_K:
+        splits *= 2
+    return block_n, splits
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else SMS_IF_NOT_CUDA
+
+
+@torch.library.triton_op("rlhf::decode_linear_partials", mutates_args=())
+def decode_linear_partials(x: Tensor, w: Tensor) -> Tensor:
+    """x (M, K), w (N, K), both with the last dimension contiguous, M <= ``MAX_ROWS`` -> (splits,
+    M, N) fp32 partial products whose sum over the first dimension is ``x @ w.T`` (fp32 accumulation)."""
+    M, K = x.shape
+    N = w.shape[0]
+    assert w.shape[1] == K and x.dtype == w.dtype and M <= MAX_ROWS, (x.shape, w.shape, x.dtype, w.dtype)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    assert w.stride(-1) == 1, "the weight's K dimension must be contiguous"
+    # M may be symbolic under torch.compile (a batch size compiled dynamically): only comparisons
+    # on it (guards), so the kernel's constants and grid stay concrete
+    block_n, splits = choose(N, K, _sms(x.device))
+    k_per_split = _cdiv(_cdiv(K, splits), BLOCK_K) * BLOCK_K
+    splits = _cdiv(K, k_per_split)
+    p = torch.empty((splits, M, N), dtype=torch.float32, device=x.device)
+    torch.library.wrap_triton(_partials_kernel)[(_cdiv(N, block_n), splits)](
+        x, w, p, M, N, K, x.stride(0), w.stride(0), k_per_split,
+        BLOCK_M=16 if M <= 16 else 32 if M <= 32 else 64, BLOCK_N=block_n, BLOCK_K=BLOCK_K, DOT_IN_F32=INTERPRETED,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    return p
+

@@ -1,0 +1,107 @@
+"""tasks/ppo/decode_linear.py (the split-K skinny GEMM of the decode step) against the matmul.
+
+As tests/test_decode_attention.py: natively on CUDA, else in a fresh process in Triton's
+interpreter (``_run``), one result line asserted on.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.test_decode_attention import _run
+
+# (M, K, N): the decode batch from one row to 64, K and N off the tiles (a partial K step, a
+# partial column tile), the 0.4b layer's shapes scaled down
+CASES = [(1, 128, 16), (5, 300, 70), (33, 1024, 48), (64, 256, 96), (64, 352, 200), (8, 200, 1000)]
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-4), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+def check_equals_matmul(device: str) -> str:
+    """Every case in fp32 and bf16, with the kernel's own (block_n, splits) and forced ones (one
+    split, more splits than K steps would give, 16-column tiles): the partials sum to x @ w.T, and
+    fast_generate's ``_linear`` (the sum, the bias, the cast) equals F.linear."""
+    import tasks.ppo.decode_linear as dl
+    from tasks.ppo.fast_generate import Dims, _linear
+
+    d = Dims(1, 1, 16, 1.0, 1e-6, "sdpa", "triton")
+    g = torch.Generator().manual_seed(0)
+    n = 0
+    for dtype in (torch.float32, torch.bfloat16):
+        for M, K, N in CASES:
+            x, w, b = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g) * K ** -0.5, torch.randn(N, generator=g)
+            x, w, b = x.to(device, dtype), w.to(device, dtype), b.to(device, dtype)
+            want = x.float() @ w.float().T
+            for config in (None, (32, 1), (16, 64), (64, 3)):
+                dl.CONFIG = config
+                try:
+                    p = dl.decode_linear_partials(x, w)
+                    got = _linear(x[:, None], w, b, d, decode=True)[:, 0]
+                finally:
+                    dl.CONFIG = None
+                assert p.dtype == torch.float32 and p.shape[1:] == (M, N), (p.shape, M, N)
+                torch.testing.assert_close(p.sum(0), want, **TOL[dtype], msg=lambda m: f"{(M, K, N, dtype, config)}: {m}")
+                assert got.dtype == dtype
+                torch.testing.assert_close(got.float(), F.linear(x, w, b).float(), **TOL[dtype],
+                                           msg=lambda m: f"_linear {(M, K, N, dtype, config)}: {m}")
+                n += 1
+    return f"{n} products equal"
+
+
+def check_fast_generator_triton_linear_equals_cublas(device: str) -> str:
+    """FastGenerator with linear='triton' decodes the same greedy tokens as with 'cublas' (the
+    prefill runs F.linear either way), on the tiny GQA Llama and Qwen2 (q/k/v biases); on CUDA
+    compiled and captured in a CUDA graph, at two batch sizes."""
+    from tasks.ppo.fast_generate import FastGenerator
+    from tests.test_fast_generate import fast, left_padded, tiny
+
+    n = 0
+    for kind in ("llama", "qwen2"):
+        model = tiny(kind).to(device)
+        ids, mask = (t.to(device) for t in left_padded())
+        fg = {lin: FastGenerator(model, max_batch=4, max_len=32, linear=lin) for lin in ("cublas", "triton")}
+        assert fg["triton"].info()["linear"] == "triton" and fg["cublas"].info()["linear"] == "cublas"
+        for rows in (slice(0, 4), slice(1, 3)):
+            got, want = (fast(fg[lin], ids[rows], mask[rows], eos=-1, greedy=True) for lin in ("triton", "cublas"))
+            assert torch.equal(got.sequences, want.sequences), (kind, rows, got.sequences, want.sequences)
+            n += 1
+    return f"{n} rollouts equal"
+
+
+def test_partials_sum_to_the_matmul_at_every_split():
+    assert _run(check_equals_matmul) == f"{2 * 4 * len(CASES)} products equal"
+
+
+def test_fast_generator_with_triton_linears_decodes_as_with_cublas():
+    assert _run(check_fast_generator_triton_linear_equals_cublas) == "4 rollouts equal"
+
+
+def test_linear_choice_names_the_value_and_the_way_out():
+    from tasks.ppo.fast_generate import pick_decode_linear
+
+    cpu = torch.device("cpu")
+    assert pick_decode_linear("cublas", cpu) == "cublas"
+    assert pick_decode_linear("triton", torch.device("cuda")) == "triton"  # triton is in the test extra
+    with pytest.raises(ValueError, match="linear 'cutlass' is not one of"):
+        pick_decode_linear("cutlass", cpu)
+    with pytest.raises(ValueError, match=r"'triton' needs a CUDA device \(this one is cpu\).*use linear 'cublas'"):
+        pick_decode_linear("triton", cpu)
+
+
+def test_tiles_and_splits_keep_every_split_a_whole_k_step():
+    """The launch choice (host side): programs up to ``PROGRAMS_PER_SM`` an SM, never a split
+    shorter than one K step, 64-column tiles only where they alone fill the GPU."""
+    from tasks.ppo.decode_linear import BLOCK_K, PROGRAMS_PER_SM, choose
+
+    sms = 132
+    # the 0.4b layer (qkv, o, gate/up, down), an 8B-class one, the LM head, a tiny model
+    for n, k in [(3072, 1024), (1024, 1024), (5632, 1024), (1024, 2816), (6144, 4096), (28672, 4096), (4096, 14336),
+                 (32000, 1024), (16, 64)]:
+        block_n, splits = choose(n, k, sms)
+        tiles = -(-n // block_n)
+        assert block_n == (64 if -(-n // 64) >= sms else 32), (n, k, block_n)
+        assert splits == 1 or (tiles * splits <= PROGRAMS_PER_SM * sms and -(-k // splits) >= BLOCK_K), (n, k, splits)
+        assert tiles * splits * 2 > PROGRAMS_PER_SM * sms or -(-k // (2 * splits)) < BLOCK_K, (n, k, splits)  # no more split fits
+    assert choose(1024, 2816, sms) == (32, 8)  # 0.4b down: 32 column tiles x 8 splits of 352
+    assert choose(32000, 1024, sms) == (64, 1)  # the head: 500 tiles already
