@@ -91,8 +91,9 @@ def test_linear_choice_names_the_value_and_the_way_out():
 
 def test_tiles_and_splits_keep_every_split_a_whole_k_step():
     """The launch choice (host side): programs up to ``PROGRAMS_PER_SM`` an SM, never a split
-    shorter than one K step, 64-column tiles only where they alone fill the GPU."""
-    from tasks.ppo.decode_linear import BLOCK_K, PROGRAMS_PER_SM, choose
+    shorter than one K step, partials within a quarter of the weight's bytes, 64-column tiles only
+    where they alone fill the GPU."""
+    from tasks.ppo.decode_linear import BLOCK_K, MAX_ROWS, PROGRAMS_PER_SM, choose
 
     sms = 132
     # the 0.4b layer (qkv, o, gate/up, down), an 8B-class one, the LM head, a tiny model
@@ -101,7 +102,10 @@ def test_tiles_and_splits_keep_every_split_a_whole_k_step():
         block_n, splits = choose(n, k, sms)
         tiles = -(-n // block_n)
         assert block_n == (64 if -(-n // 64) >= sms else 32), (n, k, block_n)
-        assert splits == 1 or (tiles * splits <= PROGRAMS_PER_SM * sms and -(-k // splits) >= BLOCK_K), (n, k, splits)
-        assert tiles * splits * 2 > PROGRAMS_PER_SM * sms or -(-k // (2 * splits)) < BLOCK_K, (n, k, splits)  # no more split fits
-    assert choose(1024, 2816, sms) == (32, 8)  # 0.4b down: 32 column tiles x 8 splits of 352
+        assert splits == 1 or (tiles * splits <= PROGRAMS_PER_SM * sms and -(-k // splits) >= BLOCK_K
+                               and splits * MAX_ROWS * 4 * 4 <= k * 2), (n, k, splits)
+        more = 2 * splits  # no more split fits
+        assert tiles * more > PROGRAMS_PER_SM * sms or -(-k // more) < BLOCK_K or more * MAX_ROWS * 4 * 4 > k * 2, (n, k, splits)
+    assert choose(1024, 2816, sms) == (32, 4)  # 0.4b down: 32 column tiles x 4 splits of 704 (partials 1 MB, weight 5.8)
+    assert choose(3072, 1024, sms) == (32, 2)  # 0.4b q/k/v
     assert choose(32000, 1024, sms) == (64, 1)  # the head: 500 tiles already

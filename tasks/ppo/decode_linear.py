@@ -65,12 +65,16 @@ def _partials_kernel(X, W, P, M, N, K, sx_m, sw_n, k_per_split,
 
 def choose(n: int, k: int, sms: int) -> tuple[int, int]:
     """(block_n, splits): 64 output columns a program where that gives enough programs, else 32;
-    then K halved (in whole ``BLOCK_K`` steps) until ``PROGRAMS_PER_SM`` programs an SM."""
+    then K halved (in whole ``BLOCK_K`` steps) until ``PROGRAMS_PER_SM`` programs an SM, while the
+    fp32 partials of a full batch (splits x ``MAX_ROWS`` x n x 4 bytes, written and read back) stay
+    within a quarter of the weight's bytes (n x k x 2): splits <= k / 512. A first guess from the
+    bytes each way, to be replaced by the sweep of bench/decode_parts.py."""
     if CONFIG:
         return CONFIG
     block_n = 64 if _cdiv(n, 64) >= sms else 32
     tiles, splits = _cdiv(n, block_n), 1
-    while tiles * splits * 2 <= PROGRAMS_PER_SM * sms and _cdiv(k, splits * 2) >= BLOCK_K:
+    while (tiles * splits * 2 <= PROGRAMS_PER_SM * sms and _cdiv(k, splits * 2) >= BLOCK_K
+           and splits * 2 * MAX_ROWS * 4 * 4 <= k * 2):
         splits *= 2
     return block_n, splits
 
