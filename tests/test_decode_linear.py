@@ -93,19 +93,19 @@ def test_tiles_and_splits_keep_every_split_a_whole_k_step():
     """The launch choice (host side): programs up to ``PROGRAMS_PER_SM`` an SM, never a split
     shorter than one K step, partials within a quarter of the weight's bytes, 64-column tiles only
     where they alone fill the GPU."""
-    from tasks.ppo.decode_linear import BLOCK_K, MAX_ROWS, PROGRAMS_PER_SM, choose
+    from tasks.ppo.decode_linear import BLOCK_K, MAX_ROWS, MAX_SPLITS, PROGRAMS_PER_SM, choose
 
     sms = 132
     # the 0.4b layer (qkv, o, gate/up, down), an 8B-class one, the LM head, a tiny model
     for n, k in [(3072, 1024), (1024, 1024), (5632, 1024), (1024, 2816), (6144, 4096), (28672, 4096), (4096, 14336),
-                 (32000, 1024), (16, 64)]:
+                 (32000, 1024), (16, 64), (256, 65536)]:
         block_n, splits = choose(n, k, sms)
         tiles = -(-n // block_n)
         assert block_n == (64 if -(-n // 64) >= sms else 32), (n, k, block_n)
-        assert splits == 1 or (tiles * splits <= PROGRAMS_PER_SM * sms and -(-k // splits) >= BLOCK_K
+        assert splits == 1 or (splits <= MAX_SPLITS and tiles * splits <= PROGRAMS_PER_SM * sms and -(-k // splits) >= BLOCK_K
                                and splits * MAX_ROWS * 4 * 4 <= k * 2), (n, k, splits)
         more = 2 * splits  # no more split fits
-        assert tiles * more > PROGRAMS_PER_SM * sms or -(-k // more) < BLOCK_K or more * MAX_ROWS * 4 * 4 > k * 2, (n, k, splits)
+        assert more > MAX_SPLITS or tiles * more > PROGRAMS_PER_SM * sms or -(-k // more) < BLOCK_K or more * MAX_ROWS * 4 * 4 > k * 2, (n, k, splits)
     assert choose(1024, 2816, sms) == (32, 4)  # 0.4b down: 32 column tiles x 4 splits of 704 (partials 1 MB, weight 5.8)
     assert choose(3072, 1024, sms) == (32, 2)  # 0.4b q/k/v
     assert choose(32000, 1024, sms) == (64, 1)  # the head: 500 tiles already

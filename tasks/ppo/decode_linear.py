@@ -33,6 +33,7 @@ from torch import Tensor
 MAX_ROWS = 64  # one tile of rows: the decode batch (FastGenerator uses F.linear above it)
 BLOCK_K = 128  # K per loop step (bf16: 256-byte rows of the weight tile)
 NUM_WARPS, NUM_STAGES = 4, 4
+MAX_SPLITS = 8  # Inductor unrolls a reduction this short into the consuming pointwise kernel (unroll_reductions_threshold)
 PROGRAMS_PER_SM = 2  # output tiles x K splits aimed at: the programs in flight that keep the memory system busy
 SMS_IF_NOT_CUDA = 132
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # widen tl.dot's bf16 operands (see decode_attention.py)
@@ -67,13 +68,14 @@ def choose(n: int, k: int, sms: int) -> tuple[int, int]:
     """(block_n, splits): 64 output columns a program where that gives enough programs, else 32;
     then K halved (in whole ``BLOCK_K`` steps) until ``PROGRAMS_PER_SM`` programs an SM, while the
     fp32 partials of a full batch (splits x ``MAX_ROWS`` x n x 4 bytes, written and read back) stay
-    within a quarter of the weight's bytes (n x k x 2): splits <= k / 512. A first guess from the
+    within a quarter of the weight's bytes (n x k x 2): splits <= k / 512, and at most
+    ``MAX_SPLITS``. A first guess from the
     bytes each way, to be replaced by the sweep of bench/decode_parts.py."""
     if CONFIG:
         return CONFIG
     block_n = 64 if _cdiv(n, 64) >= sms else 32
     tiles, splits = _cdiv(n, block_n), 1
-    while (tiles * splits * 2 <= PROGRAMS_PER_SM * sms and _cdiv(k, splits * 2) >= BLOCK_K
+    while (splits < MAX_SPLITS and tiles * splits * 2 <= PROGRAMS_PER_SM * sms and _cdiv(k, splits * 2) >= BLOCK_K
            and splits * 2 * MAX_ROWS * 4 * 4 <= k * 2):
         splits *= 2
     return block_n, splits
