@@ -8,6 +8,8 @@
 #   bash bench/gpu_run.sh default triton              # issue 18: the embedded default flow, then again with ppo.decode_attention=triton
 #   bash bench/gpu_run.sh mfu                         # issue 18: useful-token MFU of the learn phase on ragged rollouts, 0.4B and 1.5B
 #   bash bench/gpu_run.sh parts                       # issue 18: the decode step's parts (GEMMs, attention launch settings, step variants)
+#   PARTS_ARGS="--parts gemm,steps --no-autotune --steps triton,triton+tlinear" bash bench/gpu_run.sh parts
+#                                                     # issue 18: the split-K Triton linears (tasks/ppo/decode_linear.py) beside cuBLAS
 #   bash bench/gpu_run.sh nan stage                   # issue 18: which forward turns NaN on the GPU (bench/nan_probe.py); the
 #                                                     # 0.3b stage (fast and plain rollouts), stopping at the first non-finite number
 # grpo = bench/grpo_iteration.py (GRPO n=8 vs PPO, 0.4B shape) and the embedded default with GRPO and the rule as reward.
@@ -20,7 +22,7 @@ for step in "$@"; do
   echo "== $step"
   case $step in
     tests) timeout 300 python3 -m pytest -q -p no:cacheprovider -m "not slow" tests/test_placement.py tests/test_memory.py \
-             tests/test_chat_models.py tests/test_fast_generate.py tests/test_attention_backward.py tests/test_decode_attention.py > "$OUT/tests.log" 2>&1; tail -6 "$OUT/tests.log" ;;
+             tests/test_chat_models.py tests/test_fast_generate.py tests/test_attention_backward.py tests/test_decode_attention.py tests/test_decode_linear.py > "$OUT/tests.log" 2>&1; tail -6 "$OUT/tests.log" ;;
     default) rm -rf /tmp/art-default; flow default --set store.uri=file:///tmp/art-default
              python3 bench/gpu_summary.py /tmp/art-default "$OUT/gpu_default.csv" > "$OUT/summary_default.json"; cat "$OUT/summary_default.json" ;;
     triton)  # the embedded default with ppo.decode_attention=triton; its data / SFT / RM from `default` when that ran first
