@@ -99,10 +99,11 @@ def check_masked_columns_contribute_nothing(device: str) -> str:
     return f"{n} cases: masked columns contribute nothing"
 
 
-def check_fast_generator_triton_equals_sdpa(device: str) -> str:
-    """FastGenerator with attention='triton' decodes the same greedy tokens as with 'sdpa', on
-    the tiny GQA Llama and Qwen2 (q/k/v biases) of tests/test_fast_generate.py; on CUDA compiled
-    and captured in a CUDA graph, at two batch sizes (the second compiles with a symbolic batch)."""
+def fast_generators_decode_alike(device: str, option: str, values: tuple[str, str]) -> str:
+    """FastGenerators that differ in one option (``option`` = each of ``values``) decode the same
+    greedy tokens, on the tiny GQA Llama and Qwen2 (q/k/v biases) of tests/test_fast_generate.py;
+    on CUDA compiled and captured in a CUDA graph, at two batch sizes (the second compiles with a
+    symbolic batch). Each reports the value it took in ``info()``."""
     from tasks.ppo.fast_generate import FastGenerator
     from tests.test_fast_generate import fast, left_padded, tiny
 
@@ -110,13 +111,18 @@ def check_fast_generator_triton_equals_sdpa(device: str) -> str:
     for kind in ("llama", "qwen2"):
         model = tiny(kind).to(device)
         ids, mask = (t.to(device) for t in left_padded())
-        fg = {a: FastGenerator(model, max_batch=4, max_len=32, attention=a) for a in ("sdpa", "triton")}
-        assert fg["triton"].info()["attention"] == "triton" and fg["sdpa"].info()["attention"] == "sdpa"
+        fg = {v: FastGenerator(model, max_batch=4, max_len=32, **{option: v}) for v in values}
+        assert all(fg[v].info()[option] == v for v in values), [fg[v].info() for v in values]
         for rows in (slice(0, 4), slice(1, 3)):
-            got, want = (fast(fg[a], ids[rows], mask[rows], eos=-1, greedy=True) for a in ("triton", "sdpa"))
+            got, want = (fast(fg[v], ids[rows], mask[rows], eos=-1, greedy=True) for v in values)
             assert torch.equal(got.sequences, want.sequences), (kind, rows, got.sequences, want.sequences)
             n += 1
     return f"{n} rollouts equal"
+
+
+def check_fast_generator_triton_equals_sdpa(device: str) -> str:
+    """FastGenerator with attention='triton' decodes as with 'sdpa'."""
+    return fast_generators_decode_alike(device, "attention", ("triton", "sdpa"))
 
 
 def _run(check) -> str:

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.test_decode_attention import _run
+from tests.test_decode_attention import _run, fast_generators_decode_alike
 
 # (M, K, N): the decode batch from one row to 64, K and N off the tiles (a partial K step, a
 # partial column tile), the 0.4b layer's shapes scaled down
@@ -50,23 +50,9 @@ def check_equals_matmul(device: str) -> str:
 
 
 def check_fast_generator_triton_linear_equals_cublas(device: str) -> str:
-    """FastGenerator with linear='triton' decodes the same greedy tokens as with 'cublas' (the
-    prefill runs F.linear either way), on the tiny GQA Llama and Qwen2 (q/k/v biases); on CUDA
-    compiled and captured in a CUDA graph, at two batch sizes."""
-    from tasks.ppo.fast_generate import FastGenerator
-    from tests.test_fast_generate import fast, left_padded, tiny
-
-    n = 0
-    for kind in ("llama", "qwen2"):
-        model = tiny(kind).to(device)
-        ids, mask = (t.to(device) for t in left_padded())
-        fg = {lin: FastGenerator(model, max_batch=4, max_len=32, linear=lin) for lin in ("cublas", "triton")}
-        assert fg["triton"].info()["linear"] == "triton" and fg["cublas"].info()["linear"] == "cublas"
-        for rows in (slice(0, 4), slice(1, 3)):
-            got, want = (fast(fg[lin], ids[rows], mask[rows], eos=-1, greedy=True) for lin in ("triton", "cublas"))
-            assert torch.equal(got.sequences, want.sequences), (kind, rows, got.sequences, want.sequences)
-            n += 1
-    return f"{n} rollouts equal"
+    """FastGenerator with linear='triton' decodes as with 'cublas' (the prefill runs F.linear
+    either way)."""
+    return fast_generators_decode_alike(device, "linear", ("triton", "cublas"))
 
 
 def test_partials_sum_to_the_matmul_at_every_split():
