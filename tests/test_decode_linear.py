@@ -95,3 +95,17 @@ def test_tiles_and_splits_keep_every_split_a_whole_k_step():
     assert choose(1024, 2816, sms) == (32, 4)  # 0.4b down: 32 column tiles x 4 splits of 704 (partials 1 MB, weight 5.8)
     assert choose(3072, 1024, sms) == (32, 2)  # 0.4b q/k/v
     assert choose(32000, 1024, sms) == (64, 1)  # the head: 500 tiles already
+
+
+def test_prefill_and_batches_past_64_rows_take_f_linear():
+    """Only a decode step of at most 64 rows goes to the kernel: a prefill, or a decode of 65
+    rows, is F.linear's result bit for bit (here without Triton's interpreter, where the kernel
+    could not run on CPU at all)."""
+    from tasks.ppo.fast_generate import Dims, _linear
+
+    d = Dims(1, 1, 16, 1.0, 1e-6, "sdpa", "triton")
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(24, 32, generator=g), torch.randn(24, generator=g)
+    for x, decode in ((torch.randn(65, 1, 32, generator=g), True), (torch.randn(2, 40, 32, generator=g), False),
+                      (torch.randn(4, 3, 32, generator=g), False)):
+        assert torch.equal(_linear(x, w, b, d, decode), F.linear(x, w, b)), (x.shape, decode)
