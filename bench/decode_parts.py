@@ -6,8 +6,9 @@
 One bf16 random-weight Llama of ``--shape``, one process, side by side:
 
 - **GEMMs**: each of a layer's four matmuls (packed q/k/v, o, packed gate/up, down) and the LM
-  head at M = batch, as cuBLAS runs them (``F.linear``) and as Inductor's max-autotune picks
-  (its Triton templates against cuBLAS), each timed inside a CUDA graph of back-to-back calls,
+  head at M = batch, as cuBLAS runs them (``F.linear``), as Inductor's max-autotune picks
+  (its Triton templates against cuBLAS) and as tasks/ppo/decode_linear.py's kernel runs them over
+  its launch settings, each timed inside a CUDA graph of back-to-back calls,
   one per layer on its own weight (the decode graph's situation): us per call and the weight
   bytes read per second.
 - **Attention**: the split-K Triton kernel (tasks/ppo/decode_attention.py) over launch settings
@@ -75,27 +76,29 @@ def triton_gemms(r: dict, x, ws, turn) -> None:
     """tasks/ppo/decode_linear.py's split-K kernel on the same calls: its own choice of (block_n,
     splits) with and without the sum over the splits (a separate kernel here; in the compiled
     layer Inductor folds it into the next one), then a sweep of block_n x splits x BLOCK_K x
-    stages, the partials alone."""
+    stages, the partials alone, each with its largest error against F.linear."""
     import tasks.ppo.decode_linear as dl
 
-    saved = dl.CONFIG, dl.BLOCK_K, dl.NUM_STAGES
+    want = F.linear(x, ws[0]).float()
     r["triton_choice"] = list(dl.choose(ws[0].shape[0], ws[0].shape[1], torch.cuda.get_device_properties(0).multi_processor_count))
     r["triton_auto_us"] = per_call_us(lambda: dl.decode_linear_partials(x, next(turn)), calls=len(ws))
     r["triton_auto_sum_us"] = per_call_us(lambda: dl.decode_linear_partials(x, next(turn)).sum(0).to(x.dtype), calls=len(ws))
     sweep = {}
-    try:
-        for block_n, splits, block_k, stages in itertools.product((32, 64, 128), (1, 2, 4, 8), (64, 128), (3, 4)):
-            dl.CONFIG, dl.BLOCK_K, dl.NUM_STAGES = (block_n, splits), block_k, stages
-            if -(-x.shape[1] // splits) < block_k:
-                continue
-            sweep[f"n{block_n}_s{splits}_k{block_k}_st{stages}"] = per_call_us(lambda: dl.decode_linear_partials(x, next(turn)), calls=len(ws))
-    finally:
-        dl.CONFIG, dl.BLOCK_K, dl.NUM_STAGES = saved
-    best = min(sweep, key=sweep.get)
-    r["triton_sweep"], r["triton_best"], r["triton_best_us"] = sweep, best, sweep[best]
+    for block_n, splits, block_k, stages in itertools.product((32, 64, 128), (1, 2, 4, 8), (64, 128), (3, 4)):
+        if -(-x.shape[1] // splits) < block_k:
+            continue
+        key = f"n{block_n}_s{splits}_k{block_k}_st{stages}"
+        try:
+            with launch(dict(CONFIG=(block_n, splits), BLOCK_K=block_k, NUM_STAGES=stages), "decode_linear"):
+                err = (dl.decode_linear_partials(x, ws[0]).sum(0) - want).abs().max().item()
+                sweep[key] = {"us": per_call_us(lambda: dl.decode_linear_partials(x, next(turn)), calls=len(ws)), "max_abs_err": err}
+        except Exception as e:  # a setting that does not compile (shared memory, registers): recorded
+            sweep[key] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+    best = min((k_ for k_ in sweep if "us" in sweep[k_]), key=lambda k_: sweep[k_]["us"])
+    r["triton_sweep"], r["triton_best"], r["triton_best_us"] = sweep, best, sweep[best]["us"]
 
 
-def gemms(cfg, B: int, autotune: bool, triton_sweep: bool = True) -> dict:
+def gemms(cfg, B: int, autotune: bool) -> dict:
     """Each matmul of a layer at M = B, one call per layer on that layer's own weight (as the decode
     step reads them; one weight read in a row stays in the L2 and times faster: the numbers of
     2026-12-05 were taken that way)."""
@@ -113,7 +116,7 @@ def gemms(cfg, B: int, autotune: bool, triton_sweep: bool = True) -> dict:
         if autotune and DEV == "cuda":
             f = torch.compile(F.linear, mode="max-autotune-no-cudagraphs", dynamic=False)
             r["max_autotune_us"] = per_call_us(lambda: f(x, next(turn)), calls=len(ws))
-        if triton_sweep and DEV == "cuda":
+        if DEV == "cuda":
             triton_gemms(r, x, ws, turn)
         for k_ in [k_ for k_ in r if k_.endswith("_us")]:
             r[k_.replace("_us", "_weight_gbps")] = w.numel() * 2 / r[k_] / 1e3
@@ -126,19 +129,20 @@ def variant_name(settings: dict) -> str:
 
 
 @contextlib.contextmanager
-def launch(settings: dict):
-    """The decode attention's launch settings (tasks/ppo/decode_attention.py's module constants,
-    read at call time) set for the block, restored after it."""
-    import tasks.ppo.decode_attention as da
+def launch(settings: dict, kernel: str = "decode_attention"):
+    """A Triton kernel's launch settings (tasks/ppo/``kernel``.py's module constants, read at call
+    time) set for the block, restored after it."""
+    import importlib
 
-    saved = {k: getattr(da, k) for k in settings}
+    mod = importlib.import_module(f"tasks.ppo.{kernel}")
+    saved = {k: getattr(mod, k) for k in settings}
     for k, v in settings.items():
-        setattr(da, k, v)
+        setattr(mod, k, v)
     try:
         yield
     finally:
         for k, v in saved.items():
-            setattr(da, k, v)
+            setattr(mod, k, v)
 
 
 def attention_sweep(cfg, B: int, L: int, visible: int) -> dict:

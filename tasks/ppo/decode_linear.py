@@ -76,7 +76,7 @@ def choose(n: int, k: int, sms: int) -> tuple[int, int]:
     block_n = 64 if _cdiv(n, 64) >= sms else 32
     tiles, splits = _cdiv(n, block_n), 1
     while (splits < MAX_SPLITS and tiles * splits * 2 <= PROGRAMS_PER_SM * sms and _cdiv(k, splits * 2) >= BLOCK_K
-           and splits * 2 * MAX_ROWS * 4 * 4 <= k * 2):
+           and 4 * (splits * 2 * MAX_ROWS * 4) <= k * 2):  # an output column's partials (fp32) vs its weight row (bf16)
         splits *= 2
     return block_n, splits
 

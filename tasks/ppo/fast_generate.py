@@ -95,48 +95,48 @@ def check_fast_generate(mode: str, strategy: str, model_cfg) -> None:
 
 
 DECODE_ATTENTION = ("auto", "sdpa", "triton")
+DECODE_LINEAR = ("cublas", "triton")
+
+
+def _triton_kernel(option: str, module: str, device: torch.device, instead: str) -> str:
+    """FastGenerator's ``option`` = 'triton': imports tasks/ppo/``module``.py (which registers its
+    kernel as a ``torch.ops.rlhf`` op), or a ValueError naming what is missing, the triton package
+    or a CUDA device (off CUDA the kernels run only in Triton's interpreter, TRITON_INTERPRET=1:
+    the CPU tests), and the way out (``instead``)."""
+    import importlib
+
+    try:
+        kernel = importlib.import_module(f"tasks.ppo.{module}")
+    except ImportError as e:
+        raise ValueError(f"FastGenerator: {option} 'triton' needs the triton package ({e}); "
+                         f"install it or use {option} {instead!r}") from e
+    if device.type != "cuda" and not kernel.INTERPRETED:
+        raise ValueError(f"FastGenerator: {option} 'triton' needs a CUDA device (this one is {device}) or Triton's "
+                         f"interpreter (TRITON_INTERPRET=1); use {option} {instead!r}")
+    return "triton"
 
 
 def pick_decode_attention(choice: str, device: torch.device) -> str:
     """FastGenerator's ``attention``, checked: 'sdpa', 'triton' or 'auto' (the default: 'triton'
     on a CUDA device where the triton package imports, else 'sdpa'; measured on the H200 and H100,
-    bench/RESULTS.md). 'triton' off CUDA runs only in Triton's interpreter (TRITON_INTERPRET=1: the
-    CPU tests), so it is refused there without it."""
+    bench/RESULTS.md)."""
     if choice not in DECODE_ATTENTION:
         raise ValueError(f"FastGenerator: attention {choice!r} is not one of {DECODE_ATTENTION}")
     if choice == "sdpa" or (choice == "auto" and device.type != "cuda"):
         return "sdpa"
     try:
-        from tasks.ppo import decode_attention  # registers torch.ops.rlhf.decode_attention
-    except ImportError as e:
+        return _triton_kernel("attention", "decode_attention", device, "sdpa")
+    except ValueError:  # on CUDA only the package can be missing: 'auto' takes SDPA then
         if choice == "auto":
             return "sdpa"
-        raise ValueError(f"FastGenerator: attention 'triton' needs the triton package ({e}); "
-                         "install it or use attention 'sdpa'") from e
-    if device.type != "cuda" and not decode_attention.INTERPRETED:
-        raise ValueError(f"FastGenerator: attention 'triton' needs a CUDA device (this one is {device}) or Triton's "
-                         "interpreter (TRITON_INTERPRET=1); use attention 'sdpa'")
-    return "triton"
-
-
-DECODE_LINEAR = ("cublas", "triton")
+        raise
 
 
 def pick_decode_linear(choice: str, device: torch.device) -> str:
-    """FastGenerator's ``linear``, checked: 'cublas' or 'triton' (which, like the Triton attention,
-    needs the triton package and a CUDA device or Triton's interpreter)."""
+    """FastGenerator's ``linear``, checked: 'cublas' or 'triton' (tasks/ppo/decode_linear.py)."""
     if choice not in DECODE_LINEAR:
         raise ValueError(f"FastGenerator: linear {choice!r} is not one of {DECODE_LINEAR}")
-    if choice == "cublas":
-        return choice
-    try:
-        from tasks.ppo import decode_linear  # registers torch.ops.rlhf.decode_linear_partials
-    except ImportError as e:
-        raise ValueError(f"FastGenerator: linear 'triton' needs the triton package ({e}); use linear 'cublas'") from e
-    if device.type != "cuda" and not decode_linear.INTERPRETED:
-        raise ValueError(f"FastGenerator: linear 'triton' needs a CUDA device (this one is {device}) or Triton's "
-                         "interpreter (TRITON_INTERPRET=1); use linear 'cublas'")
-    return choice
+    return choice if choice == "cublas" else _triton_kernel("linear", "decode_linear", device, "cublas")
 
 
 # ----------------------------------------------------------------------------- the model, by hand
@@ -601,14 +601,14 @@ class FastGenerator:
         if graphs is not None:
             source.set_state(rng.get_state())
 
-        rows = self._row[:b]  # back to row order (slot i holds row rows[i])
-        responses = torch.empty_like(self._resp[:b, :N]).index_copy_(0, rows, self._resp[:b, :N])
-        act = torch.empty_like(self._act[:b, :N]).index_copy_(0, rows, self._act[:b, :N])
+        rows = self._row[:b]  # slot i holds batch row rows[i]: results back in row order
+        in_row_order = lambda t: torch.empty_like(t).index_copy_(0, rows, t)  # noqa: E731
+        responses, act = in_row_order(self._resp[:b, :N]), in_row_order(self._act[:b, :N])
         return Rollout(
             sequences=torch.cat([input_ids, responses], dim=1),
             attention_mask=torch.cat([attn, act], dim=1),
             action_mask=act.float(),
-            ended_with_eos=torch.empty_like(self._finished[:b]).index_copy_(0, rows, self._finished[:b]),
+            ended_with_eos=in_row_order(self._finished[:b]),
         )
 
     def info(self) -> dict:

@@ -262,9 +262,10 @@ class PolicyWorker(_LearnerMixin, DistributedWorker):
 
     def rollout_info(self) -> dict:
         """Which decode path rollouts take: {'fast_generate', 'cuda_graphs', 'graph_batch_sizes',
-        'weight_copy_gib', 'compiled', 'attention', 'compact'} (see ``FastGenerator.info``; attention None: the plain loop's)."""
+        'weight_copy_gib', 'compiled', 'attention', 'linear', 'compact'} (see ``FastGenerator.info``; attention and
+        linear None: the plain loop's)."""
         info = {"fast_generate": self.fast, "cuda_graphs": False, "graph_batch_sizes": [], "weight_copy_gib": 0.0, "compiled": False,
-                "attention": None, "compact": False}
+                "attention": None, "linear": None, "compact": False}
         return info | (self.fast_gen.info() if self.fast_gen else {})
 
     def _forward_actions(self, rollout) -> tuple[Tensor, Tensor]:
