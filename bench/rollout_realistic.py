@@ -63,7 +63,11 @@ def run_case(fgs: dict, model, ids, attn, N, stops, top_k, top_p, reps, hf: bool
             ended = torch.isin(resp, torch.tensor(stops, device=DEV))
             after = (ended.long().cumsum(-1) - ended.long()) > 0
             return (~after).float(), resp.shape[1]
-        once()  # warm-up: graph capture, cuBLAS
+        sync()
+        t0 = time.perf_counter()
+        once()  # warm-up: compiles and graph captures (a graph per batch size with compaction) on a generator's first case
+        sync()
+        first = time.perf_counter() - t0
         ts, useful, steps = [], [], []
         for _ in range(reps):
             sync()
@@ -76,7 +80,8 @@ def run_case(fgs: dict, model, ids, attn, N, stops, top_k, top_p, reps, hf: bool
         s = statistics.median(ts)
         out[name] = {"s": s, "s_all": ts, "useful_new_tokens_per_s": statistics.median(useful) / s,
                      "all_columns_tokens_per_s": ids.shape[0] * statistics.median(steps) / s,
-                     "mean_response_len": statistics.median(useful) / ids.shape[0], "steps_run": statistics.median(steps)}
+                     "mean_response_len": statistics.median(useful) / ids.shape[0], "steps_run": statistics.median(steps),
+                     "first_call_s": first}
         if name.startswith("fast_"):
             out[name]["compactions_last_rep"] = fgs[name.removeprefix("fast_")].compactions  # (step, rows decoded from then on)
     for a in fgs if hf else []:
@@ -111,7 +116,7 @@ def main() -> None:
         for att in fgs:
             f = c[f"fast_{att}"]
             print(f"{name:14s} fast ({att:16s}) {f['useful_new_tokens_per_s']:9.0f} useful tok/s ({f['s']:.3f} s, len "
-                  f"{f['mean_response_len']:.1f}, {f['steps_run']} steps, compactions {f['compactions_last_rep']})"
+                  f"{f['mean_response_len']:.1f}, {f['steps_run']} steps, compactions {f['compactions_last_rep']}, first call {f['first_call_s']:.1f} s)"
                   + ("" if a.skip_hf else f"  hf {c['hf_generate']['useful_new_tokens_per_s']:8.0f}  x{c[f'fast_{att}_vs_hf_useful_tokens']:.1f}"),
                   flush=True)
         if a.out:  # after every case: a later one may not finish within a device call
