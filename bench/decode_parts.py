@@ -96,6 +96,7 @@ def triton_gemms(r: dict, x, ws, turn) -> None:
             sweep[key] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
     best = min((k_ for k_ in sweep if "us" in sweep[k_]), key=lambda k_: sweep[k_]["us"])
     r["triton_sweep"], r["triton_best"], r["triton_best_us"] = sweep, best, sweep[best]["us"]
+    TUNED_LINEAR[(ws[0].shape[0], ws[0].shape[1])] = tuple(int(v.lstrip("nskt")) for v in best.split("_"))
 
 
 def gemms(cfg, B: int, autotune: bool) -> dict:
@@ -193,6 +194,7 @@ def attention_sweep(cfg, B: int, L: int, visible: int) -> dict:
 
 OPTIONS = {"warps": "NUM_WARPS", "stages": "NUM_STAGES", "block": "BLOCK_N", "persm": "PROGRAMS_PER_SM"}
 BEST_ATTENTION: dict = {}  # set by attention_sweep (the 'best' step option); empty: the defaults
+TUNED_LINEAR: dict = {}  # (n, k) -> the gemm sweep's fastest (block_n, splits, block_k, stages) (the 'tuned' step option)
 
 
 def step_variant(model, name: str, prompts, attn, a, gbps: float) -> dict:
@@ -209,8 +211,9 @@ def step_variant(model, name: str, prompts, attn, a, gbps: float) -> dict:
     kw = rollout_kw(N)
     a.reps, a.copy_gbps, a.profile = 3, gbps, False
     pdl = torch._inductor.config.patch({"triton.enable_pdl": "pdl" in opts})  # Inductor's kernels launched with PDL
-    linear = "triton" if "tlinear" in opts else "cublas"  # tasks/ppo/decode_linear.py's split-K GEMMs
-    with launch(settings), pdl:
+    linear = "triton" if "tlinear" in opts or "tuned" in opts else "cublas"  # tasks/ppo/decode_linear.py's split-K GEMMs
+    tuned = launch(dict(TUNED=dict(TUNED_LINEAR) if "tuned" in opts else {}), "decode_linear")  # each shape at its sweep's best
+    with launch(settings), pdl, tuned:
         fg, r = time_fast(model, prompts, attn, kw, a, attention=attention, compile_scope="forward" if "whole" in opts else "layer",
                           compile_mode="max-autotune-no-cudagraphs" if "autotune" in opts and DEV == "cuda" else None,
                           linear=linear)
@@ -242,7 +245,7 @@ def main() -> None:
     ap.add_argument("--no-autotune", action="store_true", help="skip Inductor's max-autotune GEMMs")
     ap.add_argument("--steps", default="sdpa,triton,triton+autotune,triton+whole,triton+whole+autotune",
                     help="whole-step variants: an attention ('sdpa', 'triton') then +options: autotune (compile_mode "
-                    "max-autotune-no-cudagraphs), whole (compile_scope 'forward'), pdl (Inductor's kernels with programmatic dependent launch), tlinear (the split-K Triton linears), warpsN, stagesN, blockN, persmN "
+                    "max-autotune-no-cudagraphs), whole (compile_scope 'forward'), pdl (Inductor's kernels with programmatic dependent launch), tlinear (the split-K Triton linears), tuned (them at the gemm part's fastest settings per shape), warpsN, stagesN, blockN, persmN "
                     "(attention launch settings)")
     ap.add_argument("--profile-rows", type=int, default=24)
     a = ap.parse_args()

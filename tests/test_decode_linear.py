@@ -33,13 +33,13 @@ def check_equals_matmul(device: str) -> str:
             x, w, b = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g) * K ** -0.5, torch.randn(N, generator=g)
             x, w, b = x.to(device, dtype), w.to(device, dtype), b.to(device, dtype)
             want = x.float() @ w.float().T
-            for config in (None, (32, 1), (16, 64), (64, 3)):
-                dl.CONFIG = config
+            for config in (None, (32, 1), (16, 64), (64, 3, 64, 2)):  # a 4-tuple: TUNED's settings for this shape
+                dl.CONFIG, dl.TUNED = (None, {(N, K): config}) if len(config or ()) == 4 else (config, {})
                 try:
                     p = dl.decode_linear_partials(x, w)
                     got = _linear(x[:, None], w, b, d, decode=True)[:, 0]
                 finally:
-                    dl.CONFIG = None
+                    dl.CONFIG, dl.TUNED = None, {}
                 assert p.dtype == torch.float32 and p.shape[1:] == (M, N), (p.shape, M, N)
                 torch.testing.assert_close(p.sum(0), want, **TOL[dtype], msg=lambda m: f"{(M, K, N, dtype, config)}: {m}")
                 assert got.dtype == dtype
@@ -95,6 +95,20 @@ def test_tiles_and_splits_keep_every_split_a_whole_k_step():
     assert choose(1024, 2816, sms) == (32, 4)  # 0.4b down: 32 column tiles x 4 splits of 704 (partials 1 MB, weight 5.8)
     assert choose(3072, 1024, sms) == (32, 2)  # 0.4b q/k/v
     assert choose(32000, 1024, sms) == (64, 1)  # the head: 500 tiles already
+
+
+def test_measured_settings_come_before_the_rule_and_a_forced_config_before_both():
+    import tasks.ppo.decode_linear as dl
+
+    assert dl.settings(1024, 2816, 132) == (32, 4, dl.BLOCK_K, dl.NUM_STAGES)
+    try:
+        dl.TUNED = {(1024, 2816): (128, 2, 64, 3)}
+        assert dl.settings(1024, 2816, 132) == (128, 2, 64, 3)
+        assert dl.settings(3072, 1024, 132) == (32, 2, dl.BLOCK_K, dl.NUM_STAGES)  # another shape: the rule
+        dl.CONFIG = (64, 1)
+        assert dl.settings(1024, 2816, 132) == (64, 1, dl.BLOCK_K, dl.NUM_STAGES)
+    finally:
+        dl.TUNED, dl.CONFIG = {}, None
 
 
 def test_prefill_and_batches_past_64_rows_take_f_linear():

@@ -38,6 +38,9 @@ PROGRAMS_PER_SM = 2  # output tiles x K splits aimed at: the programs in flight 
 SMS_IF_NOT_CUDA = 132
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # widen tl.dot's bf16 operands (see decode_attention.py)
 CONFIG: tuple[int, int] | None = None  # (block_n, splits) forced for every shape (bench/decode_parts.py sweeps it)
+# (n, k) -> (block_n, splits, block_k, stages) measured for that weight shape (bench/decode_parts.py's
+# step option 'tuned' fills it from its sweep), taken before ``choose``'s rule; CONFIG overrides it
+TUNED: dict[tuple[int, int], tuple[int, int, int, int]] = {}
 
 
 @triton.jit
@@ -81,6 +84,14 @@ def choose(n: int, k: int, sms: int) -> tuple[int, int]:
     return block_n, splits
 
 
+def settings(n: int, k: int, sms: int) -> tuple[int, int, int, int]:
+    """(block_n, splits, block_k, stages) for an (n, k) weight: ``TUNED``'s, else ``choose``'s with
+    the module's ``BLOCK_K`` and ``NUM_STAGES``."""
+    if not CONFIG and (n, k) in TUNED:
+        return TUNED[(n, k)]
+    return (*choose(n, k, sms), BLOCK_K, NUM_STAGES)
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -101,13 +112,13 @@ def decode_linear_partials(x: Tensor, w: Tensor) -> Tensor:
     assert w.stride(-1) == 1, "the weight's K dimension must be contiguous"
     # M may be symbolic under torch.compile (a batch size compiled dynamically): only comparisons
     # on it (guards), so the kernel's constants and grid stay concrete
-    block_n, splits = choose(N, K, _sms(x.device))
-    k_per_split = _cdiv(_cdiv(K, splits), BLOCK_K) * BLOCK_K
+    block_n, splits, block_k, stages = settings(N, K, _sms(x.device))
+    k_per_split = _cdiv(_cdiv(K, splits), block_k) * block_k
     splits = _cdiv(K, k_per_split)
     p = torch.empty((splits, M, N), dtype=torch.float32, device=x.device)
     torch.library.wrap_triton(_partials_kernel)[(_cdiv(N, block_n), splits)](
         x, w, p, M, N, K, x.stride(0), w.stride(0), k_per_split,
-        BLOCK_M=16 if M <= 16 else 32 if M <= 32 else 64, BLOCK_N=block_n, BLOCK_K=BLOCK_K, DOT_IN_F32=INTERPRETED,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        BLOCK_M=16 if M <= 16 else 32 if M <= 32 else 64, BLOCK_N=block_n, BLOCK_K=block_k, DOT_IN_F32=INTERPRETED,
+        num_warps=NUM_WARPS, num_stages=stages)
     return p
 
