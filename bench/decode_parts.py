@@ -121,7 +121,8 @@ def gemms(cfg, B: int, autotune: bool) -> dict:
             triton_gemms(r, x, ws, turn)
         for k_ in [k_ for k_ in r if k_.endswith("_us")]:
             r[k_.replace("_us", "_weight_gbps")] = w.numel() * 2 / r[k_] / 1e3
-        print(f"gemm {name:8s} {k}x{n}: " + ", ".join(f"{k_} {v:.1f}" for k_, v in r.items() if k_.endswith(("_us", "_gbps"))), flush=True)
+        print(f"gemm {name:8s} {k}x{n}: " + ", ".join(f"{k_} {v:.1f}" for k_, v in r.items() if k_.endswith(("_us", "_gbps")))
+              + (f", best {r['triton_best']}, choice {r['triton_choice']}" if "triton_best" in r else ""), flush=True)
     return out
 
 
