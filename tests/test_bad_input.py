@@ -128,6 +128,8 @@ CASES = [
      ["ppo.decode_attention 'triton' is FastGenerator's", "ppo.fast_generate is 'off'", "set ppo.decode_attention 'sdpa'"]),
     ("decode-attention-triton-on-cpu", ["--set", "ppo.decode_attention=triton", "--set", "ppo.device=cpu"], {},
      ["ppo.decode_attention 'triton' is a CUDA kernel", "ppo.device 'cpu'", "give the actor a GPU"]),
+    ("decode-linear-triton-on-cpu", ["--set", "ppo.decode_linear=triton", "--set", "ppo.device=cpu"], {},
+     ["ppo.decode_linear 'triton' is a CUDA kernel", "ppo.device 'cpu'", "set ppo.decode_linear 'cublas'"]),
 ]
 
 DRIVER = r"""

@@ -166,33 +166,36 @@ def test_split_count_fills_the_gpu_and_leaves_no_split_without_a_tile():
     assert choose_splits(1, 1, 132, 64) == 1
 
 
-def test_attention_choice():
-    from tasks.ppo.fast_generate import pick_decode_attention
+@pytest.mark.parametrize("option, library", [("attention", "sdpa"), ("linear", "cublas")])
+def test_kernel_choice_names_the_value_and_the_way_out(option, library):
+    from tasks.ppo.fast_generate import pick_kernel
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert pick_decode_attention("sdpa", cuda) == "sdpa"
-    assert pick_decode_attention("triton", cuda) == "triton"  # triton is in the test extra
-    assert pick_decode_attention("auto", cuda) == "triton"  # ppo.decode_attention's default: the kernel on a GPU
-    assert pick_decode_attention("auto", cpu) == "sdpa"  # and torch's attention elsewhere, interpreter or not
-    with pytest.raises(ValueError, match="attention 'flash' is not one of"):
-        pick_decode_attention("flash", cpu)
+    assert pick_kernel(option, library, cuda) == library
+    assert pick_kernel(option, "triton", cuda) == "triton"  # triton is in the test extra
+    assert pick_kernel(option, "auto", cuda) == "triton"  # the default: the kernel on a GPU
+    assert pick_kernel(option, "auto", cpu) == library  # and the library's elsewhere, interpreter or not
+    with pytest.raises(ValueError, match=f"{option} 'flash' is not one of"):
+        pick_kernel(option, "flash", cpu)
     if os.environ.get("TRITON_INTERPRET") != "1":
-        with pytest.raises(ValueError, match=r"'triton' needs a CUDA device \(this one is cpu\).*use attention 'sdpa'"):
-            pick_decode_attention("triton", cpu)
+        with pytest.raises(ValueError, match=rf"'triton' needs a CUDA device \(this one is cpu\).*use {option} '{library}'"):
+            pick_kernel(option, "triton", cpu)
 
 
-def test_triton_attention_without_the_triton_package_is_refused_with_the_package_named():
+def test_triton_kernels_without_the_triton_package_are_refused_with_the_package_named():
     """Where triton is not installed (no wheel for the platform), FastGenerator(attention='triton')
-    stops at construction with the package and the way out named; 'sdpa' still builds and 'auto'
-    (the default) takes it. Run in a
+    or (linear='triton') stops at construction with the package and the way out named; 'sdpa' /
+    'cublas' still build and 'auto' (the default) takes them. Run in a
     process where ``import triton`` fails."""
     code = ("import sys; sys.modules['triton'] = None\n"
-            "import torch\nfrom tasks.ppo.fast_generate import pick_decode_attention\n"
-            "assert pick_decode_attention('sdpa', torch.device('cpu')) == 'sdpa'\n"
-            "assert pick_decode_attention('auto', torch.device('cuda')) == 'sdpa'\n"
-            "try:\n    pick_decode_attention('triton', torch.device('cuda'))\n"
-            "except ValueError as e:\n    print('RESULT', e)\n")
+            "import torch\nfrom tasks.ppo.fast_generate import KERNELS, pick_kernel\n"
+            "for option, (library, _) in KERNELS.items():\n"
+            "    assert pick_kernel(option, library, torch.device('cpu')) == library\n"
+            "    assert pick_kernel(option, 'auto', torch.device('cuda')) == library\n"
+            "    try:\n        pick_kernel(option, 'triton', torch.device('cuda'))\n"
+            "    except ValueError as e:\n        print('RESULT', e)\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "RESULT FastGenerator: attention 'triton' needs the triton package" in proc.stdout
-    assert "install it or use attention 'sdpa'" in proc.stdout
+    for option, library in (("attention", "sdpa"), ("linear", "cublas")):
+        assert f"RESULT FastGenerator: {option} 'triton' needs the triton package" in proc.stdout
+        assert f"install it or use {option} '{library}'" in proc.stdout

@@ -6,7 +6,6 @@ interpreter (``_run``), one result line asserted on.
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.nn.functional as F
 
@@ -61,18 +60,6 @@ def test_partials_sum_to_the_matmul_at_every_split():
 
 def test_fast_generator_with_triton_linears_decodes_as_with_cublas():
     assert _run(check_fast_generator_triton_linear_equals_cublas) == "4 rollouts equal"
-
-
-def test_linear_choice_names_the_value_and_the_way_out():
-    from tasks.ppo.fast_generate import pick_decode_linear
-
-    cpu = torch.device("cpu")
-    assert pick_decode_linear("cublas", cpu) == "cublas"
-    assert pick_decode_linear("triton", torch.device("cuda")) == "triton"  # triton is in the test extra
-    with pytest.raises(ValueError, match="linear 'cutlass' is not one of"):
-        pick_decode_linear("cutlass", cpu)
-    with pytest.raises(ValueError, match=r"'triton' needs a CUDA device \(this one is cpu\).*use linear 'cublas'"):
-        pick_decode_linear("triton", cpu)
 
 
 def test_tiles_and_splits_keep_every_split_a_whole_k_step():

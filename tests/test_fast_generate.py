@@ -454,9 +454,10 @@ def test_policy_worker_fast_rollouts_equal_plain_ones_before_and_after_learning(
 
 
 def test_policy_worker_decodes_with_ppo_decode_attention(sft_adapter):
-    """``ppo.decode_attention`` reaches the actor's FastGenerator: a PolicyWorker with 'triton'
-    (on CPU in Triton's interpreter, which its Ray worker process turns on through its runtime_env)
-    names it in ``rollout_info`` and decodes the greedy and seeded rollouts of one with 'sdpa'."""
+    """``ppo.decode_attention`` and ``ppo.decode_linear`` reach the actor's FastGenerator: a
+    PolicyWorker with 'triton' for both (on CPU in Triton's interpreter, which its Ray worker
+    process turns on through its runtime_env) names them in ``rollout_info`` and decodes the greedy
+    and seeded rollouts of one with 'sdpa' and 'cublas'."""
     import ray
 
     from tasks.common.model import load_tokenizer
@@ -475,13 +476,15 @@ def test_policy_worker_decodes_with_ppo_decode_attention(sft_adapter):
                 "actor", 0, 1, "ddp", 42, 1.0, DEVICE)
             workers.append(w)
             ray.get(w.init_group.remote(*ray.get(w.rendezvous.remote())))
-            ppo = PPOConfig(rollout_batch_size=6, train_batch_size=6, max_new_tokens=8, fast_generate="on", decode_attention=attention)
+            ppo = PPOConfig(rollout_batch_size=6, train_batch_size=6, max_new_tokens=8, fast_generate="on", decode_attention=attention,
+                            decode_linear={"triton": "triton", "sdpa": "cublas"}[attention])
             ray.get(w.load.remote(model, store, sft.key, data.key, ppo, tok.pad_token_id, [tok.eos_token_id]))
         for kw in (dict(greedy=True), dict(seed=7)):
             triton, sdpa = ray.get([w.generate.remote(prompts, 1, **kw) for w in workers])
             assert torch.equal(triton.sequences, sdpa.sequences) and torch.equal(triton.action_mask, sdpa.action_mask), kw
         # the generator is built at the first rollout
-        assert [ray.get(w.rollout_info.remote())["attention"] for w in workers] == ["triton", "sdpa"]
+        assert [(i["attention"], i["linear"]) for i in ray.get([w.rollout_info.remote() for w in workers])] == [
+            ("triton", "triton"), ("sdpa", "cublas")]
     finally:
         for w in workers:
             ray.kill(w)

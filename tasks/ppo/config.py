@@ -129,6 +129,7 @@ class PPOConfig(BaseModel):
     stop_strings: list[str] = Field(default_factory=list, description="Strings that also end a response; each must be a single token of the tokenizer (e.g. '<|eot_id|>'), checked before any model loads.")
     fast_generate: Switch = Field("auto", description="Rollouts with tasks/ppo/fast_generate.py (static KV cache; CUDA graphs on CUDA): 'auto' = on for CUDA actors of a Llama-family model with strategy 'ddp' or 'colossalai_zero2' (whole parameters), or 'colossalai_gemini' (through a plain bf16 copy of the actor's trainable weights, re-filled from Gemini's chunks before every rollout; the frozen base is shared), not 'fsdp', 'on' = also on CPU (eager) and an error where it cannot apply, 'off' = the plain loop of tasks/ppo/generation.py.")
     decode_attention: Literal["auto", "sdpa", "triton"] = Field("auto", description="FastGenerator's attention over the KV cache while decoding: 'sdpa' (torch's scaled_dot_product_attention) or 'triton' (tasks/ppo/decode_attention.py, split-K flash decoding that reads each K/V tile once per GQA group and skips masked columns; on an H200, 0.4B, batch 64, 128+128 left-padded prompts: decode step 1.50 ms against SDPA's 2.13, bench/RESULTS.md). 'triton' needs CUDA actors and the triton package; it applies where FastGenerator does (ppo.fast_generate). 'auto': 'triton' where FastGenerator runs on a CUDA GPU and triton imports, else 'sdpa'.")
+    decode_linear: Literal["auto", "cublas", "triton"] = Field("cublas", description="FastGenerator's linears at a decode step of at most 64 rows: 'cublas' (F.linear) or 'triton' (tasks/ppo/decode_linear.py, a split-K skinny GEMM whose fp32 partials Inductor sums in the next kernel; on an H100, 0.4B, batch 64, 128+128: decode step 1.46 ms against cuBLAS's 1.53; at 1.5B and 8B no gain, hence not the default; bench/RESULTS.md). 'triton' needs CUDA actors and the triton package; it applies where FastGenerator does (ppo.fast_generate). 'auto': 'triton' where FastGenerator runs on a CUDA GPU and triton imports, else 'cublas'.")
 
     gradient_checkpointing: Switch = Field("auto", description=CHECKPOINT_HELP + " For the learners (actor, critic).")
     compile: Switch = Field("auto", description="torch.compile each transformer block of the learners (actor, critic): fuses the norms, RoPE, activations and casts around the matmuls. 'auto' = on for CUDA roles of models of 50M+ parameters (the first iteration pays ~1 min of compilation) except under colossalai_gemini (its chunk hooks do not trace), 'on' = also on CPU, 'off' = eager.")
@@ -187,11 +188,12 @@ class PPOConfig(BaseModel):
                 f"ppo.fast_generate 'on' needs every actor rank to hold full parameters, but ppo.strategy "
                 f"{self.strategy!r} shards them: use ppo.strategy one of {FAST_GENERATE_STRATEGIES}, or ppo.fast_generate 'auto' / 'off'"
             )
-        if self.decode_attention == "triton" and (self.fast_generate == "off" or self.strategy not in FAST_GENERATE_STRATEGIES):
-            why = "ppo.fast_generate is 'off'" if self.fast_generate == "off" else f"ppo.strategy {self.strategy!r} shards the parameters"
-            raise ValueError(f"ppo.decode_attention 'triton' is FastGenerator's, but {why}, so the plain loop decodes: "
-                             "set ppo.decode_attention 'sdpa', or ppo.fast_generate 'auto' with ppo.strategy one of "
-                             f"{FAST_GENERATE_STRATEGIES}")
+        for option, library in (("decode_attention", "sdpa"), ("decode_linear", "cublas")):
+            if getattr(self, option) == "triton" and (self.fast_generate == "off" or self.strategy not in FAST_GENERATE_STRATEGIES):
+                why = "ppo.fast_generate is 'off'" if self.fast_generate == "off" else f"ppo.strategy {self.strategy!r} shards the parameters"
+                raise ValueError(f"ppo.{option} 'triton' is FastGenerator's, but {why}, so the plain loop decodes: "
+                                 f"set ppo.{option} {library!r}, or ppo.fast_generate 'auto' with ppo.strategy one of "
+                                 f"{FAST_GENERATE_STRATEGIES}")
         if any(i < 0 for i in self.stop_token_ids):
             raise ValueError(f"ppo.stop_token_ids {self.stop_token_ids}: token ids are >= 0; drop the negative ones")
         if any(not s for s in self.stop_strings):

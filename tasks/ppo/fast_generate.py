@@ -94,8 +94,10 @@ def check_fast_generate(mode: str, strategy: str, model_cfg) -> None:
     fast_generate_applies(mode, strategy, "cpu", config)
 
 
-DECODE_ATTENTION = ("auto", "sdpa", "triton")
-DECODE_LINEAR = ("cublas", "triton")
+# FastGenerator's kernel options: option -> (the library's kernel, the Triton module of tasks/ppo/).
+# Each takes 'auto' (the Triton kernel on a CUDA device where triton imports, else the library's),
+# the library's name, or 'triton'.
+KERNELS = {"attention": ("sdpa", "decode_attention"), "linear": ("cublas", "decode_linear")}
 
 
 def _triton_kernel(option: str, module: str, device: torch.device, instead: str) -> str:
@@ -116,27 +118,21 @@ def _triton_kernel(option: str, module: str, device: torch.device, instead: str)
     return "triton"
 
 
-def pick_decode_attention(choice: str, device: torch.device) -> str:
-    """FastGenerator's ``attention``, checked: 'sdpa', 'triton' or 'auto' (the default: 'triton'
-    on a CUDA device where the triton package imports, else 'sdpa'; measured on the H200 and H100,
-    bench/RESULTS.md)."""
-    if choice not in DECODE_ATTENTION:
-        raise ValueError(f"FastGenerator: attention {choice!r} is not one of {DECODE_ATTENTION}")
-    if choice == "sdpa" or (choice == "auto" and device.type != "cuda"):
-        return "sdpa"
+def pick_kernel(option: str, choice: str, device: torch.device) -> str:
+    """FastGenerator's ``option`` ('attention' or 'linear', ``KERNELS``) checked and resolved: 'auto'
+    (the default) is the Triton kernel on a CUDA device where the triton package imports, else the
+    library's (measured on the H200 and H100, bench/RESULTS.md)."""
+    library, module = KERNELS[option]
+    if choice not in ("auto", library, "triton"):
+        raise ValueError(f"FastGenerator: {option} {choice!r} is not one of {('auto', library, 'triton')}")
+    if choice == library or (choice == "auto" and device.type != "cuda"):
+        return library
     try:
-        return _triton_kernel("attention", "decode_attention", device, "sdpa")
-    except ValueError:  # on CUDA only the package can be missing: 'auto' takes SDPA then
+        return _triton_kernel(option, module, device, library)
+    except ValueError:  # on CUDA only the package can be missing: 'auto' takes the library's kernel then
         if choice == "auto":
-            return "sdpa"
+            return library
         raise
-
-
-def pick_decode_linear(choice: str, device: torch.device) -> str:
-    """FastGenerator's ``linear``, checked: 'cublas' or 'triton' (tasks/ppo/decode_linear.py)."""
-    if choice not in DECODE_LINEAR:
-        raise ValueError(f"FastGenerator: linear {choice!r} is not one of {DECODE_LINEAR}")
-    return choice if choice == "cublas" else _triton_kernel("linear", "decode_linear", device, "cublas")
 
 
 # ----------------------------------------------------------------------------- the model, by hand
@@ -309,13 +305,13 @@ class FastGenerator:
     step is ~15 small kernels a layer; their fixed cost, not reading the weights, is the GPU time,
     so fusing the norms, RoPE, the cache write and SwiGLU is what makes the graph fast.
     ``attention``: the decode step's attention, 'sdpa' or 'triton' (the split-K kernel of
-    tasks/ppo/decode_attention.py; see ``pick_decode_attention``). The prompt's prefill is SDPA
+    tasks/ppo/decode_attention.py; see ``pick_kernel``). The prompt's prefill is SDPA
     either way. ``compile_scope``: what one compiled graph covers, 'layer' (compiled once, run for
     every layer) or 'forward' (all layers, the final norm and the head: fusions across the
     layers' boundaries, a longer compile); ``compile_mode``: ``torch.compile``'s mode (e.g.
     'max-autotune-no-cudagraphs': Inductor's GEMM templates tried against cuBLAS). ``linear``: the
     decode step's linears, 'cublas' (F.linear) or 'triton' (the split-K kernel of
-    tasks/ppo/decode_linear.py, batches of at most 64 rows; see ``pick_decode_linear``).
+    tasks/ppo/decode_linear.py, batches of at most 64 rows; see ``pick_kernel``).
     """
 
     def __init__(self, model, max_batch: int, max_len: int, dtype: torch.dtype | None = None,
@@ -336,8 +332,8 @@ class FastGenerator:
         head_dim = getattr(attn0, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         n_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.dims = Dims(cfg.num_attention_heads, n_kv, head_dim, float(getattr(attn0, "scaling", head_dim ** -0.5)),
-                         float(self.norm.variance_epsilon), pick_decode_attention(attention, self.device),
-                         pick_decode_linear(linear, self.device))
+                         float(self.norm.variance_epsilon), pick_kernel("attention", attention, self.device),
+                         pick_kernel("linear", linear, self.device))
         self.act = self.layers[0].mlp.act_fn
 
         kw = dict(device=self.device, dtype=self.dtype)

@@ -257,7 +257,8 @@ class PolicyWorker(_LearnerMixin, DistributedWorker):
             rows = max(batch, per_worker, fg.max_batch if fg else 0)
             cols = max(-(-need // 64) * 64, fg.max_len if fg else 0)  # round up: fewer rebuilds as prompts vary
             self.fast_gen = fg = None  # free the old cache and graphs first
-            self.fast_gen = FastGenerator(self.rollout_model, max_batch=rows, max_len=cols, attention=self.ppo.decode_attention)
+            self.fast_gen = FastGenerator(self.rollout_model, max_batch=rows, max_len=cols, attention=self.ppo.decode_attention,
+                                         linear=self.ppo.decode_linear)
         return self.fast_gen
 
     def rollout_info(self) -> dict:

@@ -50,18 +50,20 @@ def check_ppo(cfg: PPOConfig) -> None:
                 "cuda/npu device, and HybridAdam, which Gemini requires, is a CUDA kernel): give ppo.actor and ppo.critic gpus_per_worker > 0, or use ppo.strategy 'ddp' / 'fsdp' on CPU"
             )
 
-    if cfg.decode_attention == "triton":
+    for option, library in (("decode_attention", "sdpa"), ("decode_linear", "cublas")):  # FastGenerator's KERNELS
+        if getattr(cfg, option) != "triton":
+            continue
+        import importlib
         import importlib.util
 
         if importlib.util.find_spec("triton") is None:
-            raise ValueError("ppo.decode_attention 'triton' needs the triton package, which is not installed here "
-                             "(pip install triton, on Linux with CUDA), or set ppo.decode_attention 'sdpa'")
-        from tasks.ppo.decode_attention import INTERPRETED  # Triton's interpreter runs it on CPU (the tests)
-
-        if not INTERPRETED and (cfg.role("actor").gpus_per_worker == 0 or cfg.device == "cpu"):
-            raise ValueError("ppo.decode_attention 'triton' is a CUDA kernel, but the actor runs on CPU (ppo.device "
+            raise ValueError(f"ppo.{option} 'triton' needs the triton package, which is not installed here "
+                             f"(pip install triton, on Linux with CUDA), or set ppo.{option} {library!r}")
+        # Triton's interpreter runs the kernels on CPU (the tests)
+        if not importlib.import_module(f"tasks.ppo.{option}").INTERPRETED and (cfg.role("actor").gpus_per_worker == 0 or cfg.device == "cpu"):
+            raise ValueError(f"ppo.{option} 'triton' is a CUDA kernel, but the actor runs on CPU (ppo.device "
                              f"{cfg.device!r}, ppo.actor.gpus_per_worker {cfg.role('actor').gpus_per_worker}): give the "
-                             "actor a GPU, or set ppo.decode_attention 'sdpa'")
+                             f"actor a GPU, or set ppo.{option} {library!r}")
 
 
 def resolve_stop_ids(cfg: PPOConfig, model: ModelConfig, tok) -> list[int]:
