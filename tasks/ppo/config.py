@@ -67,6 +67,8 @@ class RewardSource(BaseModel):
 # DDP and ZeRO-2 hold them (ZeRO-2 shards only the optimizer), Gemini through a plain copy refreshed
 # before every rollout (tasks/ppo/group.py ``plain_copy``); FSDP's are sharded DTensors
 FAST_GENERATE_STRATEGIES = ("ddp", "colossalai_zero2", "colossalai_gemini")
+# FastGenerator's kernel options: ppo option -> the library's kernel; 'triton' is ours, in tasks/ppo/<option>.py
+DECODE_KERNELS = {"decode_attention": "sdpa", "decode_linear": "cublas"}
 
 
 class PPOConfig(BaseModel):
@@ -188,7 +190,7 @@ class PPOConfig(BaseModel):
                 f"ppo.fast_generate 'on' needs every actor rank to hold full parameters, but ppo.strategy "
                 f"{self.strategy!r} shards them: use ppo.strategy one of {FAST_GENERATE_STRATEGIES}, or ppo.fast_generate 'auto' / 'off'"
             )
-        for option, library in (("decode_attention", "sdpa"), ("decode_linear", "cublas")):
+        for option, library in DECODE_KERNELS.items():
             if getattr(self, option) == "triton" and (self.fast_generate == "off" or self.strategy not in FAST_GENERATE_STRATEGIES):
                 why = "ppo.fast_generate is 'off'" if self.fast_generate == "off" else f"ppo.strategy {self.strategy!r} shards the parameters"
                 raise ValueError(f"ppo.{option} 'triton' is FastGenerator's, but {why}, so the plain loop decodes: "

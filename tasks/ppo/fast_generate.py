@@ -54,7 +54,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from tasks.common.model import allow_recompiles
-from tasks.ppo.config import FAST_GENERATE_STRATEGIES
+from tasks.ppo.config import DECODE_KERNELS, FAST_GENERATE_STRATEGIES
 from tasks.ppo.generation import Rollout, _unwrap, position_ids_from_mask, sample_next, stop_ids
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -94,10 +94,10 @@ def check_fast_generate(mode: str, strategy: str, model_cfg) -> None:
     fast_generate_applies(mode, strategy, "cpu", config)
 
 
-# FastGenerator's kernel options: option -> (the library's kernel, the Triton module of tasks/ppo/).
-# Each takes 'auto' (the Triton kernel on a CUDA device where triton imports, else the library's),
-# the library's name, or 'triton'.
-KERNELS = {"attention": ("sdpa", "decode_attention"), "linear": ("cublas", "decode_linear")}
+# FastGenerator's kernel options: option -> (the library's kernel, the Triton module of tasks/ppo/),
+# from the stage's ppo.decode_* options. Each takes 'auto' (the Triton kernel on a CUDA device where
+# triton imports, else the library's), the library's name, or 'triton'.
+KERNELS = {option.removeprefix("decode_"): (library, option) for option, library in DECODE_KERNELS.items()}
 
 
 def _triton_kernel(option: str, module: str, device: torch.device, instead: str) -> str:

@@ -21,7 +21,7 @@ from tasks.common.model import ModelConfig, check_model_exists, load_tokenizer, 
 from tasks.common.tracking import Tracker, TrackingConfig
 from tasks.data.dataset import read_jsonl
 from tasks.ppo.checkpoint import latest_checkpoint, load_checkpoint, publish_final, save_checkpoint
-from tasks.ppo.config import LEARNERS, PPOConfig, check_gpu_fit, resolve_placement
+from tasks.ppo.config import DECODE_KERNELS, LEARNERS, PPOConfig, check_gpu_fit, resolve_placement
 from tasks.ppo.fast_generate import check_fast_generate
 from tasks.ppo.group import (RoleGroup, check_cluster, colossalai_imports, colossalai_problem, import_failure, role_bundles,
                              role_device, start_roles_on_live_nodes)
@@ -50,7 +50,7 @@ def check_ppo(cfg: PPOConfig) -> None:
                 "cuda/npu device, and HybridAdam, which Gemini requires, is a CUDA kernel): give ppo.actor and ppo.critic gpus_per_worker > 0, or use ppo.strategy 'ddp' / 'fsdp' on CPU"
             )
 
-    for option, library in (("decode_attention", "sdpa"), ("decode_linear", "cublas")):  # FastGenerator's KERNELS
+    for option, library in DECODE_KERNELS.items():
         if getattr(cfg, option) != "triton":
             continue
         import importlib
