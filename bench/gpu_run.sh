@@ -8,8 +8,9 @@
 #   bash bench/gpu_run.sh default triton              # issue 18: the embedded default flow, then again with ppo.decode_attention=triton
 #   bash bench/gpu_run.sh mfu                         # issue 18: useful-token MFU of the learn phase on ragged rollouts, 0.4B and 1.5B
 #   bash bench/gpu_run.sh parts                       # issue 18: the decode step's parts (GEMMs, attention launch settings, step variants)
-#   PARTS_ARGS="--parts gemm,steps --no-autotune --steps triton,triton+tlinear" bash bench/gpu_run.sh parts
+#   PARTS_ARGS="--parts gemm,steps --no-autotune --steps triton,triton+tlinear,triton+tuned" bash bench/gpu_run.sh parts
 #                                                     # issue 18: the split-K Triton linears (tasks/ppo/decode_linear.py) beside cuBLAS
+#                                                     # (PARTS_SHAPES="0.4b 1.5b 8b" for more shapes)
 #   bash bench/gpu_run.sh nan stage                   # issue 18: which forward turns NaN on the GPU (bench/nan_probe.py); the
 #                                                     # 0.3b stage (fast and plain rollouts), stopping at the first non-finite number
 # grpo = bench/grpo_iteration.py (GRPO n=8 vs PPO, 0.4B shape) and the embedded default with GRPO and the rule as reward.
