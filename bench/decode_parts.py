@@ -91,12 +91,13 @@ def triton_gemms(r: dict, x, ws, turn) -> None:
         try:
             with launch(dict(CONFIG=(block_n, splits), BLOCK_K=block_k, NUM_STAGES=stages), "decode_linear"):
                 err = (dl.decode_linear_partials(x, ws[0]).sum(0) - want).abs().max().item()
-                sweep[key] = {"us": per_call_us(lambda: dl.decode_linear_partials(x, next(turn)), calls=len(ws)), "max_abs_err": err}
+                sweep[key] = {"us": per_call_us(lambda: dl.decode_linear_partials(x, next(turn)), calls=len(ws)), "max_abs_err": err,
+                              "settings": [block_n, splits, block_k, stages]}
         except Exception as e:  # a setting that does not compile (shared memory, registers): recorded
             sweep[key] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
     best = min((k_ for k_ in sweep if "us" in sweep[k_]), key=lambda k_: sweep[k_]["us"])
     r["triton_sweep"], r["triton_best"], r["triton_best_us"] = sweep, best, sweep[best]["us"]
-    TUNED_LINEAR[(ws[0].shape[0], ws[0].shape[1])] = tuple(int(v.lstrip("nskt")) for v in best.split("_"))
+    TUNED_LINEAR[(ws[0].shape[0], ws[0].shape[1])] = tuple(sweep[best]["settings"])
 
 
 def gemms(cfg, B: int, autotune: bool) -> dict:

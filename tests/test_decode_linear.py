@@ -32,18 +32,19 @@ def check_equals_matmul(device: str) -> str:
             x, w, b = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g) * K ** -0.5, torch.randn(N, generator=g)
             x, w, b = x.to(device, dtype), w.to(device, dtype), b.to(device, dtype)
             want = x.float() @ w.float().T
-            for config in (None, (32, 1), (16, 64), (64, 3, 64, 2)):  # a 4-tuple: TUNED's settings for this shape
-                dl.CONFIG, dl.TUNED = (None, {(N, K): config}) if len(config or ()) == 4 else (config, {})
+            # the rule's, forced (block_n, splits), and measured (block_n, splits, block_k, stages) for this shape
+            for config, tuned in ((None, {}), ((32, 1), {}), ((16, 64), {}), (None, {(N, K): (64, 3, 64, 2)})):
+                dl.CONFIG, dl.TUNED = config, tuned
                 try:
                     p = dl.decode_linear_partials(x, w)
                     got = _linear(x[:, None], w, b, d, decode=True)[:, 0]
                 finally:
                     dl.CONFIG, dl.TUNED = None, {}
                 assert p.dtype == torch.float32 and p.shape[1:] == (M, N), (p.shape, M, N)
-                torch.testing.assert_close(p.sum(0), want, **TOL[dtype], msg=lambda m: f"{(M, K, N, dtype, config)}: {m}")
+                torch.testing.assert_close(p.sum(0), want, **TOL[dtype], msg=lambda m: f"{(M, K, N, dtype, config, tuned)}: {m}")
                 assert got.dtype == dtype
                 torch.testing.assert_close(got.float(), F.linear(x, w, b).float(), **TOL[dtype],
-                                           msg=lambda m: f"_linear {(M, K, N, dtype, config)}: {m}")
+                                           msg=lambda m: f"_linear {(M, K, N, dtype, config, tuned)}: {m}")
                 n += 1
     return f"{n} products equal"
 

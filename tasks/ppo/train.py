@@ -10,6 +10,8 @@ newest one. See tasks/ppo/checkpoint.py for what they hold.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import logging
 import os
 from typing import Callable
@@ -53,9 +55,6 @@ def check_ppo(cfg: PPOConfig) -> None:
     for option, library in DECODE_KERNELS.items():
         if getattr(cfg, option) != "triton":
             continue
-        import importlib
-        import importlib.util
-
         if importlib.util.find_spec("triton") is None:
             raise ValueError(f"ppo.{option} 'triton' needs the triton package, which is not installed here "
                              f"(pip install triton, on Linux with CUDA), or set ppo.{option} {library!r}")
