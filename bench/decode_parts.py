@@ -128,7 +128,7 @@ def gemms(cfg, B: int, autotune: bool) -> dict:
 
 
 def variant_name(settings: dict) -> str:
-    return "block{BLOCK_N}_warps{NUM_WARPS}_stages{NUM_STAGES}_persm{PROGRAMS_PER_SM}".format(**settings)
+    return "block{BLOCK_N}_warps{NUM_WARPS}_stages{NUM_STAGES}_persm{PROGRAMS_PER_SM}_bcast{BROADCAST_G1:d}".format(**settings)
 
 
 @contextlib.contextmanager
@@ -167,9 +167,11 @@ def attention_sweep(cfg, B: int, L: int, visible: int) -> dict:
     every = lambda f: lambda: f(*next(turn))  # noqa: E731  (each call on the next layer's cache)
     want = F.scaled_dot_product_attention(q, kc, vc, attn_mask=bias, scale=hd ** -0.5)
     out["sdpa_us"] = per_call_us(every(lambda k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=hd ** -0.5)), calls=layers)
-    default = dict(BLOCK_N=da.tile_columns(hd, 2), NUM_WARPS=da.NUM_WARPS, NUM_STAGES=da.NUM_STAGES, PROGRAMS_PER_SM=da.PROGRAMS_PER_SM)
-    grid = [dict(default, BLOCK_N=blk, NUM_WARPS=w, NUM_STAGES=st, PROGRAMS_PER_SM=per_sm)
-            for blk, w, st, per_sm in itertools.product((32, 64, 128, 256), (2, 4, 8), (1, 2, 3), (4, 8, 16))]  # per_sm > 4: column splits
+    default = dict(BLOCK_N=da.tile_columns(hd, 2), NUM_WARPS=da.NUM_WARPS, NUM_STAGES=da.NUM_STAGES, PROGRAMS_PER_SM=da.PROGRAMS_PER_SM,
+                   BROADCAST_G1=da.BROADCAST_G1)
+    grid = [dict(default, BLOCK_N=blk, NUM_WARPS=w, NUM_STAGES=st, PROGRAMS_PER_SM=per_sm, BROADCAST_G1=bc)
+            for blk, w, st, per_sm, bc in itertools.product((64, 128, 256), (1, 2, 4, 8), (1, 2, 3), (4, 8),  # per_sm 8: column splits
+                                                            (True, False) if g == 1 else (da.BROADCAST_G1,))]  # g = 1: both kernels
     rows = []
     for settings in grid:
         key = variant_name(settings)
@@ -194,7 +196,7 @@ def attention_sweep(cfg, B: int, L: int, visible: int) -> dict:
     return out
 
 
-OPTIONS = {"warps": "NUM_WARPS", "stages": "NUM_STAGES", "block": "BLOCK_N", "persm": "PROGRAMS_PER_SM"}
+OPTIONS = {"warps": "NUM_WARPS", "stages": "NUM_STAGES", "block": "BLOCK_N", "persm": "PROGRAMS_PER_SM", "bcast": "BROADCAST_G1"}
 BEST_ATTENTION: dict = {}  # set by attention_sweep (the 'best' step option); empty: the defaults
 TUNED_LINEAR: dict = {}  # (n, k) -> the gemm sweep's fastest (block_n, splits, block_k, stages) (the 'tuned' step option)
 
@@ -247,8 +249,8 @@ def main() -> None:
     ap.add_argument("--no-autotune", action="store_true", help="skip Inductor's max-autotune GEMMs")
     ap.add_argument("--steps", default="sdpa,triton,triton+autotune,triton+whole,triton+whole+autotune",
                     help="whole-step variants: an attention ('sdpa', 'triton') then +options: autotune (compile_mode "
-                    "max-autotune-no-cudagraphs), whole (compile_scope 'forward'), pdl (Inductor's kernels with programmatic dependent launch), tlinear (the split-K Triton linears), tuned (them at the gemm part's fastest settings per shape), warpsN, stagesN, blockN, persmN "
-                    "(attention launch settings)")
+                    "max-autotune-no-cudagraphs), whole (compile_scope 'forward'), pdl (Inductor's kernels with programmatic dependent launch), tlinear (the split-K Triton linears), tuned (them at the gemm part's fastest settings per shape), warpsN, stagesN, blockN, persmN, "
+                    "bcastN (attention launch settings; bcast0: the tensor-core kernel at g = 1)")
     ap.add_argument("--profile-rows", type=int, default=24)
     a = ap.parse_args()
     B, P, N = a.batch, a.prompt_len, a.new_tokens
