@@ -128,7 +128,7 @@ def gemms(cfg, B: int, autotune: bool) -> dict:
 
 
 def variant_name(settings: dict) -> str:
-    return "block{BLOCK_N}_warps{NUM_WARPS}_stages{NUM_STAGES}_persm{PROGRAMS_PER_SM}_bcast{BROADCAST_G1:d}".format(**settings)
+    return "block{BLOCK_N}_warps{NUM_WARPS}_stages{NUM_STAGES}_persm{PROGRAMS_PER_SM}".format(**settings)
 
 
 @contextlib.contextmanager
@@ -167,11 +167,9 @@ def attention_sweep(cfg, B: int, L: int, visible: int) -> dict:
     every = lambda f: lambda: f(*next(turn))  # noqa: E731  (each call on the next layer's cache)
     want = F.scaled_dot_product_attention(q, kc, vc, attn_mask=bias, scale=hd ** -0.5)
     out["sdpa_us"] = per_call_us(every(lambda k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=hd ** -0.5)), calls=layers)
-    default = dict(BLOCK_N=da.tile_columns(hd, 2), NUM_WARPS=da.NUM_WARPS, NUM_STAGES=da.NUM_STAGES, PROGRAMS_PER_SM=da.PROGRAMS_PER_SM,
-                   BROADCAST_G1=da.BROADCAST_G1)
-    grid = [dict(default, BLOCK_N=blk, NUM_WARPS=w, NUM_STAGES=st, PROGRAMS_PER_SM=per_sm, BROADCAST_G1=bc)
-            for blk, w, st, per_sm, bc in itertools.product((64, 128, 256), (1, 2, 4, 8), (1, 2, 3), (4, 8),  # per_sm 8: column splits
-                                                            (True, False) if g == 1 else (da.BROADCAST_G1,))]  # g = 1: both kernels
+    default = dict(BLOCK_N=da.tile_columns(hd, 2), NUM_WARPS=da.NUM_WARPS, NUM_STAGES=da.NUM_STAGES, PROGRAMS_PER_SM=da.PROGRAMS_PER_SM)
+    grid = [dict(default, BLOCK_N=blk, NUM_WARPS=w, NUM_STAGES=st, PROGRAMS_PER_SM=per_sm)
+            for blk, w, st, per_sm in itertools.product((32, 64, 128, 256), (2, 4, 8), (1, 2, 3), (4, 8, 16))]  # per_sm > 4: column splits
     rows = []
     for settings in grid:
         key = variant_name(settings)
@@ -196,8 +194,9 @@ def attention_sweep(cfg, B: int, L: int, visible: int) -> dict:
     return out
 
 
-OPTIONS = {"warps": "NUM_WARPS", "stages": "NUM_STAGES", "block": "BLOCK_N", "persm": "PROGRAMS_PER_SM", "bcast": "BROADCAST_G1"}
+OPTIONS = {"warps": "NUM_WARPS", "stages": "NUM_STAGES", "block": "BLOCK_N", "persm": "PROGRAMS_PER_SM"}
 BEST_ATTENTION: dict = {}  # set by attention_sweep (the 'best' step option); empty: the defaults
+FIRST_GREEDY: dict = {}  # the first step variant's greedy response tokens, for the others to be compared with
 TUNED_LINEAR: dict = {}  # (n, k) -> the gemm sweep's fastest (block_n, splits, block_k, stages) (the 'tuned' step option)
 
 
@@ -217,11 +216,21 @@ def step_variant(model, name: str, prompts, attn, a, gbps: float) -> dict:
     pdl = torch._inductor.config.patch({"triton.enable_pdl": "pdl" in opts})  # Inductor's kernels launched with PDL
     linear = "triton" if "tlinear" in opts or "tuned" in opts else "cublas"  # tasks/ppo/decode_linear.py's split-K GEMMs
     tuned = launch(dict(TUNED=dict(TUNED_LINEAR) if "tuned" in opts else {}), "decode_linear")  # each shape at its sweep's best
-    with launch(settings), pdl, tuned:
-        fg, r = time_fast(model, prompts, attn, kw, a, attention=attention, compile_scope="forward" if "whole" in opts else "layer",
+    # nopdl: the split-K linears launched plainly (FastGenerator launches them as programmatic
+    # dependents, prefetching their weight slices into the L2, where it can)
+    linear_pdl = launch(dict(LINEAR_PDL="nopdl" not in opts), "fast_generate")
+    with launch(settings), pdl, tuned, linear_pdl:
+        fg, r = time_fast(model, prompts, attn, kw, a, attention=attention,
+                          compile_scope="forward" if "whole" in opts else "layer",
                           compile_mode="max-autotune-no-cudagraphs" if "autotune" in opts and DEV == "cuda" else None,
                           linear=linear)
         try:
+            # greedy tokens against the first variant's (the same kernels in another launch order
+            # must give the same tokens; a read before its producer finished would not)
+            tokens = fg.generate(prompts, attn, **dict(kw, greedy=True)).sequences[:, prompts.shape[1]:]
+            first = FIRST_GREEDY.setdefault("tokens", tokens)
+            r["greedy_tokens_as_first_variant"] = (tokens == first).float().mean().item()
+            r["greedy_first_token_as_first_variant"] = (tokens[:, 0] == first[:, 0]).float().mean().item()
             if DEV == "cuda":
                 r["decode_step"] = decode_step_numbers(fg, prompts, attn, kw, a)
                 key = next(iter(fg._graphs))
@@ -249,8 +258,8 @@ def main() -> None:
     ap.add_argument("--no-autotune", action="store_true", help="skip Inductor's max-autotune GEMMs")
     ap.add_argument("--steps", default="sdpa,triton,triton+autotune,triton+whole,triton+whole+autotune",
                     help="whole-step variants: an attention ('sdpa', 'triton') then +options: autotune (compile_mode "
-                    "max-autotune-no-cudagraphs), whole (compile_scope 'forward'), pdl (Inductor's kernels with programmatic dependent launch), tlinear (the split-K Triton linears), tuned (them at the gemm part's fastest settings per shape), warpsN, stagesN, blockN, persmN, "
-                    "bcastN (attention launch settings; bcast0: the tensor-core kernel at g = 1)")
+                    "max-autotune-no-cudagraphs), whole (compile_scope 'forward'), pdl (Inductor's kernels with programmatic dependent launch), nopdl (the split-K linears launched plainly, not as programmatic dependents), tlinear (the split-K Triton linears), tuned (them at the gemm part's fastest settings per shape), warpsN, stagesN, blockN, persmN "
+                    "(attention launch settings)")
     ap.add_argument("--profile-rows", type=int, default=24)
     a = ap.parse_args()
     B, P, N = a.batch, a.prompt_len, a.new_tokens
@@ -282,7 +291,8 @@ def main() -> None:
                 save()
                 continue
             d = r.get("decode_step", {})
-            print(f"step {name}: {r['new_tokens_per_s']:.0f} new tok/s, setup {r['setup_compile_capture_s']:.1f} s"
+            print(f"step {name}: {r['new_tokens_per_s']:.0f} new tok/s, setup {r['setup_compile_capture_s']:.1f} s, "
+                  f"greedy tokens as the first variant's {r['greedy_tokens_as_first_variant']:.3f}"
                   + (f", decode step {d['graph_replay_ms']:.3f} ms (floor {d['floor_ms_at_measured_copy_bw']:.3f}: "
                      f"{100 * d['floor_ms_at_measured_copy_bw'] / d['graph_replay_ms']:.0f}%)" if d else ""), flush=True)
             for part in ("graph_step_kernels_mid_rollout", "eager_step_kernels_mid_rollout"):

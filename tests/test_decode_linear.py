@@ -55,6 +55,41 @@ def check_fast_generator_triton_linear_equals_cublas(device: str) -> str:
     return fast_generators_decode_alike(device, "linear", ("triton", "cublas"))
 
 
+def check_pdl_launch_equals_plain(device: str) -> str:
+    """``decode_linear_partials_pdl`` (a programmatic dependent launch that prefetches its weight
+    slice into the L2 before waiting on the kernel before it; on CPU a plain launch) gives the
+    plain op's partials bit for bit: eagerly, under torch.compile (its fake's shape) and, on CUDA,
+    as a chain of dependent launches replayed from a CUDA graph."""
+    import tasks.ppo.decode_linear as dl
+
+    g = torch.Generator().manual_seed(0)
+    n = 0
+    for M, K, N in CASES[2:4]:
+        x = torch.randn(M, K, generator=g).to(device, torch.bfloat16)
+        w1, w2 = (torch.randn(N if i == 0 else K, K if i == 0 else N, generator=g).to(device, torch.bfloat16) * 0.05 for i in range(2))
+
+        def chain(op):  # two linears, the second reading the first's product (dependent launches)
+            h = op(x, w1).sum(0).relu().to(x.dtype)
+            return op(h, w2)
+
+        want = chain(torch.ops.rlhf.decode_linear_partials)
+        assert torch.equal(chain(torch.ops.rlhf.decode_linear_partials_pdl), want)
+        compiled = torch.compile(chain, fullgraph=True)
+        assert torch.equal(compiled(torch.ops.rlhf.decode_linear_partials_pdl), want)
+        if device == "cuda":
+            compiled(torch.ops.rlhf.decode_linear_partials_pdl)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = compiled(torch.ops.rlhf.decode_linear_partials_pdl)
+            for _ in range(3):
+                out.zero_()
+                graph.replay()
+                assert torch.equal(out, want)
+        n += 1
+    assert dl.INTERPRETED or device == "cuda", "the interpreter runs the CPU checks"
+    return f"{n} chains equal"
+
+
 def test_partials_sum_to_the_matmul_at_every_split():
     assert _run(check_equals_matmul) == f"{2 * 4 * len(CASES)} products equal"
 
@@ -111,3 +146,7 @@ def test_prefill_and_batches_past_64_rows_take_f_linear():
     for x, decode in ((torch.randn(65, 1, 32, generator=g), True), (torch.randn(2, 40, 32, generator=g), False),
                       (torch.randn(4, 3, 32, generator=g), False)):
         assert torch.equal(_linear(x, w, b, d, decode), F.linear(x, w, b)), (x.shape, decode)
+
+
+def test_programmatic_dependent_launch_gives_the_plain_partials():
+    assert _run(check_pdl_launch_equals_plain) == "2 chains equal"

@@ -9,8 +9,6 @@ H200 to read what the copy bandwidth reads in 16 (0.4b, batch 64, 256 columns: b
    run of cache columns, loads each K/V tile once for all ``g`` query heads of the group (GQA
    without repeating K/V) and keeps the online-softmax state in fp32: running max ``m``, sum
    ``l`` and the unnormalised weighted sum of V. With one split it writes the output directly.
-   With one query head a KV head (multi-head attention) ``_partial_g1_kernel`` does the same
-   on the CUDA cores from registers (``BROADCAST_G1``).
 2. ``_combine_kernel``, grid (b * n_kv,): merges the splits' states (log-sum-exp rescaling).
 
 Masked columns (bias at the dtype's minimum) are not loaded: their K/V loads are predicated off,
@@ -46,8 +44,6 @@ BLOCK_N: int | None = None  # cache columns per tile; None: from TILE_BYTES (ben
 MIN_ROWS = 16  # tl.dot's smallest M (and N, K): the group's queries are padded to it
 SMS_IF_NOT_CUDA = 132  # an H200's SM count, for the split choice off CUDA (the interpreter's tests)
 PROGRAMS_PER_SM = 4  # enough programs in flight to keep the memory system busy
-BROADCAST_G1 = False  # multi-head attention (g = 1): ``_partial_g1_kernel`` (no tensor cores) rather than ``_partial_kernel``
-# (off: 23.1 us at its best against 21.6 for the tensor-core kernel, 0.4b on an H100, 2026-12-06)
 NUM_WARPS, NUM_STAGES = 4, 2  # the partial kernel's launch, read at call time (bench/decode_parts.py sweeps them:
 # with 128-column tiles the fastest over 24 separate layer caches on an H100, 2026-12-06)
 # Triton's interpreter (TRITON_INTERPRET=1, the CPU tests) multiplies bfloat16 bit patterns in
@@ -115,58 +111,6 @@ def _partial_kernel(Q, K, V, Bias, Out, Mx, Sm, Acc,
         tl.store(Mx + state, m, mask=g_ok)
         tl.store(Sm + state, s, mask=g_ok)
         tl.store(Acc + state[:, None] * HD + offs_d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
-
-
-@triton.jit
-def _partial_g1_kernel(Q, K, V, Bias, Out, Mx, Sm, Acc,
-                       sq_b, sq_h, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l, sb_b, sb_l, so_b, so_h,
-                       n_kv, L, cols_per_split, scale: tl.constexpr, masked: tl.constexpr, HD: tl.constexpr,
-                       HD_PAD: tl.constexpr, BLOCK: tl.constexpr, ONE_SPLIT: tl.constexpr):
-    """``_partial_kernel`` for one query head a KV head (multi-head attention, g = 1) without
-    tensor cores: the scores a broadcast product of the query with the K tile summed over
-    head_dim, the output the probabilities times the V tile summed over the columns, in fp32
-    registers (no 16-row padding of the query, no shared-memory staging of the tiles for
-    ``tl.dot``). The probabilities are rounded to the cache dtype first, as the tensor-core
-    path does, so both paths multiply the same numbers. The state is written as g = 1 of
-    ``_partial_kernel``'s, for the same ``_combine_kernel``."""
-    pair, split = tl.program_id(0), tl.program_id(1)
-    row, head = (pair // n_kv).to(tl.int64), pair % n_kv
-    offs_d, offs_n = tl.arange(0, HD_PAD), tl.arange(0, BLOCK)
-    d_ok = offs_d < HD
-    q = tl.load(Q + row * sq_b + head * sq_h + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-    k_base = K + row * sk_b + head * sk_h
-    v_base = V + row * sv_b + head * sv_h
-    LOG2E: tl.constexpr = 1.4426950408889634
-
-    m = tl.full([1], float("-inf"), tl.float32)
-    s = tl.zeros([1], tl.float32)
-    acc = tl.zeros([HD_PAD], tl.float32)
-    start = split * cols_per_split
-    end = tl.minimum(start + cols_per_split, L)
-    for n0 in range(start, end, BLOCK):
-        cols = n0 + offs_n
-        bias = tl.load(Bias + row * sb_b + cols * sb_l, mask=cols < end, other=masked).to(tl.float32)
-        seen = bias > masked
-        k = tl.load(k_base + cols[:, None] * sk_l + offs_d[None, :], mask=seen[:, None] & d_ok[None, :], other=0.0)
-        qk = tl.sum(k.to(tl.float32) * q[None, :], 1)  # (BLOCK,)
-        x = tl.where(seen, qk * scale + bias, float("-inf")) * LOG2E
-        m_new = tl.maximum(m, tl.max(x, 0))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(x[None, :] - m_ref[:, None])  # (1, BLOCK)
-        alpha = tl.exp2(m - m_ref)
-        v = tl.load(v_base + cols[:, None] * sv_l + offs_d[None, :], mask=seen[:, None] & d_ok[None, :], other=0.0)
-        pv = tl.reshape(p, [BLOCK]).to(v.dtype).to(tl.float32)
-        acc = acc * alpha + tl.sum(pv[:, None] * v.to(tl.float32), 0)
-        s = s * alpha + tl.sum(p, 1)
-        m = m_new
-
-    if ONE_SPLIT:
-        tl.store(Out + row * so_b + head * so_h + offs_d, (acc / s).to(Out.dtype.element_ty), mask=d_ok)
-    else:
-        state = pair * tl.num_programs(1) + split + tl.arange(0, 1)
-        tl.store(Mx + state, m)
-        tl.store(Sm + state, s)
-        tl.store(Acc + state * HD + offs_d, acc, mask=d_ok)
 
 
 @triton.jit
@@ -254,22 +198,14 @@ def decode_attention(q: Tensor, kc: Tensor, vc: Tensor, bias: Tensor, scale: flo
     mx = torch.empty((b, n_kv, splits, g), dtype=torch.float32, device=q.device)
     sm = torch.empty((b, n_kv, splits, g), dtype=torch.float32, device=q.device)
     acc = torch.empty((b, n_kv, splits, g, hd), dtype=torch.float32, device=q.device)
-    if g == 1 and BROADCAST_G1:
-        torch.library.wrap_triton(_partial_g1_kernel)[(b * n_kv, splits)](
-            q, kc, vc, bias, out, mx, sm, acc,
-            q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
-            vc.stride(0), vc.stride(1), vc.stride(2), bias.stride(0), bias.stride(3), out.stride(0), out.stride(1),
-            n_kv, L, cols_per_split, scale, masked, HD=hd, HD_PAD=triton.next_power_of_2(hd), BLOCK=block,
-            ONE_SPLIT=splits == 1, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
-    else:
-        torch.library.wrap_triton(_partial_kernel)[(b * n_kv, splits)](
-            q, kc, vc, bias, out, mx, sm, acc,
-            q.stride(0), q.stride(1), q.stride(2), kc.stride(0), kc.stride(1), kc.stride(2),
-            vc.stride(0), vc.stride(1), vc.stride(2), bias.stride(0), bias.stride(3),
-            out.stride(0), out.stride(1), out.stride(2),
-            n_kv, g, L, cols_per_split, scale, masked, HD=hd,
-            G_PAD=g_pad, HD_PAD=hd_pad, BLOCK=block, ONE_SPLIT=splits == 1, DOT_IN_F32=INTERPRETED,
-            num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    torch.library.wrap_triton(_partial_kernel)[(b * n_kv, splits)](
+        q, kc, vc, bias, out, mx, sm, acc,
+        q.stride(0), q.stride(1), q.stride(2), kc.stride(0), kc.stride(1), kc.stride(2),
+        vc.stride(0), vc.stride(1), vc.stride(2), bias.stride(0), bias.stride(3),
+        out.stride(0), out.stride(1), out.stride(2),
+        n_kv, g, L, cols_per_split, scale, masked, HD=hd,
+        G_PAD=g_pad, HD_PAD=hd_pad, BLOCK=block, ONE_SPLIT=splits == 1, DOT_IN_F32=INTERPRETED,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     if splits > 1:
         torch.library.wrap_triton(_combine_kernel)[(b * n_kv,)](
             mx, sm, acc, out, out.stride(0), out.stride(1), out.stride(2), n_kv, g, splits,

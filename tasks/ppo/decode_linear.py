@@ -14,13 +14,17 @@ seeded rollouts stay reproducible).
 Measured on an H100 (bench/RESULTS.md, 2026-12-06, fourth session): at 0.4B, batch 64, it takes
 the decode step from 1.53 to 1.46 ms (the o and down projections, which leave cuBLAS short of
 tiles, 1.3x and 1.6x); at 1.5B and 8B it gains nothing. So FastGenerator keeps ``linear='cublas'``
-by default and ``ppo.decode_linear`` opts in. bench/decode_parts.py's gemm part times this kernel
-beside cuBLAS over launch settings (24 layer weights in turn, cold L2) and fills ``TUNED``; its
+by default and ``ppo.decode_linear`` opts in. On Hopper FastGenerator launches it as a
+programmatic dependent (``decode_linear_partials_pdl``, Inductor's kernels around it compiled
+with PDL): each program prefetches its weight slice into the L2 before waiting on the kernel
+before it, and the 0.4B step takes 1.40 ms against 1.43 without and cuBLAS's 1.51 (fifth session).
+bench/decode_parts.py's gemm part times this kernel beside cuBLAS over launch settings (24 layer weights in turn, cold L2) and fills ``TUNED``; its
 step options ``tlinear`` / ``tuned`` run it in the whole decode step; the tests run it in Triton's
 interpreter on CPU and natively on a GPU.
 
-Like tasks/ppo/decode_attention.py a ``torch.library.triton_op``; the module imports triton at the
-top: import it only where the kernel is wanted.
+Like tasks/ppo/decode_attention.py a ``torch.library.triton_op`` (and the PDL launch a
+``custom_op``: torch.compile cannot give a user kernel's launch that attribute); the module imports
+triton at the top: import it only where the kernel is wanted.
 """
 
 from __future__ import annotations
@@ -46,9 +50,19 @@ TUNED: dict[tuple[int, int], tuple[int, int, int, int]] = {}
 
 
 @triton.jit
+def prefetch_l2(ptrs):
+    """A hint: the 128-byte lines of ``ptrs`` into the L2 (no registers written, nothing waited on)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _partials_kernel(X, W, P, M, N, K, sx_m, sw_n, k_per_split,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_IN_F32: tl.constexpr):
-    """P[split, m, n] = sum over this split's K of X[m, k] W[n, k], fp32."""
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_IN_F32: tl.constexpr,
+                     PDL: tl.constexpr):
+    """P[split, m, n] = sum over this split's K of X[m, k] W[n, k], fp32. ``PDL`` (launched as a
+    programmatic dependent of the kernel before): the program's weight slice is prefetched into the
+    L2 while that kernel finishes, then it waits for it (``gdc_wait``) before reading X and lets
+    the next kernel launch."""
     tile, split = tl.program_id(0), tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -56,6 +70,13 @@ def _partials_kernel(X, W, P, M, N, K, sx_m, sw_n, k_per_split,
     m_ok, n_ok = offs_m < M, offs_n < N
     start = split * k_per_split
     end = tl.minimum(start + k_per_split, K)
+    if PDL:
+        lines = tl.arange(0, BLOCK_K // 64) * 64  # bf16: 64 elements a 128-byte line
+        rows = W + tl.where(n_ok, offs_n, 0)[:, None].to(tl.int64) * sw_n
+        for k0 in range(start, end, BLOCK_K):
+            prefetch_l2(rows + tl.minimum(k0 + lines, end - 1)[None, :])
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(start, end, BLOCK_K):
         ks = k0 + offs_k
@@ -98,29 +119,61 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def pdl_capable(device: torch.device) -> bool:
+    """Programmatic dependent launch (``griddepcontrol``): a CUDA device of sm90+, not Triton's interpreter."""
+    return device.type == "cuda" and not INTERPRETED and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def _sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else SMS_IF_NOT_CUDA
+
+
+def _plan(x: Tensor, w: Tensor) -> tuple[int, int, int, int, int]:
+    """(block_n, splits, block_k, stages, k_per_split) for x (M, K) @ w (N, K)^T: ``settings`` with
+    the split count cut to splits that get a column of K each."""
+    M, K = x.shape
+    N = w.shape[0]
+    assert w.shape[1] == K and x.dtype == w.dtype and M <= MAX_ROWS, (x.shape, w.shape, x.dtype, w.dtype)
+    N, K = int(N), int(K)  # a weight's shape is static (under torch.compile's dynamic shapes: a guard)
+    block_n, splits, block_k, stages = settings(N, K, _sms(x.device))
+    k_per_split = _cdiv(_cdiv(K, splits), block_k) * block_k
+    return block_n, _cdiv(K, k_per_split), block_k, stages, k_per_split
+
+
+def _launch(kernel, x: Tensor, w: Tensor, pdl: bool) -> Tensor:
+    M, K = x.shape
+    N = w.shape[0]
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    assert w.stride(-1) == 1, "the weight's K dimension must be contiguous"
+    # M may be symbolic under torch.compile (a batch size compiled dynamically): only comparisons
+    # on it (guards), so the kernel's constants and grid stay concrete
+    block_n, splits, block_k, stages, k_per_split = _plan(x, w)
+    p = torch.empty((splits, M, N), dtype=torch.float32, device=x.device)
+    extra = {"launch_pdl": True} if pdl else {}
+    kernel[(_cdiv(N, block_n), splits)](
+        x, w, p, M, N, K, x.stride(0), w.stride(0), k_per_split,
+        BLOCK_M=16 if M <= 16 else 32 if M <= 32 else 64, BLOCK_N=block_n, BLOCK_K=block_k, DOT_IN_F32=INTERPRETED,
+        PDL=pdl, num_warps=NUM_WARPS, num_stages=stages, **extra)
+    return p
 
 
 @torch.library.triton_op("rlhf::decode_linear_partials", mutates_args=())
 def decode_linear_partials(x: Tensor, w: Tensor) -> Tensor:
     """x (M, K), w (N, K), both with the last dimension contiguous, M <= ``MAX_ROWS`` -> (splits,
     M, N) fp32 partial products whose sum over the first dimension is ``x @ w.T`` (fp32 accumulation)."""
-    M, K = x.shape
-    N = w.shape[0]
-    assert w.shape[1] == K and x.dtype == w.dtype and M <= MAX_ROWS, (x.shape, w.shape, x.dtype, w.dtype)
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    assert w.stride(-1) == 1, "the weight's K dimension must be contiguous"
-    # M may be symbolic under torch.compile (a batch size compiled dynamically): only comparisons
-    # on it (guards), so the kernel's constants and grid stay concrete
-    block_n, splits, block_k, stages = settings(N, K, _sms(x.device))
-    k_per_split = _cdiv(_cdiv(K, splits), block_k) * block_k
-    splits = _cdiv(K, k_per_split)
-    p = torch.empty((splits, M, N), dtype=torch.float32, device=x.device)
-    torch.library.wrap_triton(_partials_kernel)[(_cdiv(N, block_n), splits)](
-        x, w, p, M, N, K, x.stride(0), w.stride(0), k_per_split,
-        BLOCK_M=16 if M <= 16 else 32 if M <= 32 else 64, BLOCK_N=block_n, BLOCK_K=block_k, DOT_IN_F32=INTERPRETED,
-        num_warps=NUM_WARPS, num_stages=stages)
-    return p
+    return _launch(torch.library.wrap_triton(_partials_kernel), x, w, pdl=False)
 
+
+@torch.library.custom_op("rlhf::decode_linear_partials_pdl", mutates_args=())
+def decode_linear_partials_pdl(x: Tensor, w: Tensor) -> Tensor:
+    """``decode_linear_partials`` launched with programmatic dependent launch (CUDA, sm90+; a
+    plain launch elsewhere): an opaque op to torch.compile, whose user-kernel launches cannot
+    carry the launch attribute, so the call is Python at capture time and the graph replays the
+    attributed launch."""
+    return _launch(_partials_kernel, x, w, pdl=pdl_capable(x.device))
+
+
+@decode_linear_partials_pdl.register_fake
+def _(x: Tensor, w: Tensor) -> Tensor:
+    return x.new_empty((_plan(x, w)[1], x.shape[0], w.shape[0]), dtype=torch.float32)

@@ -135,6 +135,15 @@ def pick_kernel(option: str, choice: str, device: torch.device) -> str:
         raise
 
 
+LINEAR_PDL = True  # the split-K linears as programmatic dependents where they can be (bench/decode_parts.py's 'nopdl' turns it off)
+
+
+def _pdl_capable(device: torch.device) -> bool:
+    from tasks.ppo.decode_linear import pdl_capable  # triton: only where linear='triton' (imported by pick_kernel)
+
+    return pdl_capable(device)
+
+
 # ----------------------------------------------------------------------------- the model, by hand
 
 class Dims(NamedTuple):
@@ -145,6 +154,7 @@ class Dims(NamedTuple):
     eps: float
     attention: str = "sdpa"  # the decode attention: 'sdpa' or 'triton' (a constant of the compiled layer)
     linear: str = "cublas"  # the decode step's linears: 'cublas' (F.linear) or 'triton' (tasks/ppo/decode_linear.py)
+    pdl: bool = False  # the split-K linears launched as programmatic dependents (``decode_linear_partials_pdl``; compiled, sm90+)
 
 
 def _rms(x: Tensor, w: Tensor, eps: float) -> Tensor:
@@ -178,15 +188,35 @@ def _linear(x: Tensor, w: Tensor, bias: Tensor | None, d: Dims, decode: bool) ->
     summed, the bias added, cast (Inductor folds this into the kernel that consumes the product)."""
     if d.linear != "triton" or not decode or x.shape[0] * x.shape[1] > 64:
         return F.linear(x, w, bias)
-    y = torch.ops.rlhf.decode_linear_partials(x.reshape(-1, x.shape[-1]), w).sum(0)
+    y = _partials(x, w, d).sum(0)
     if bias is not None:
         y = y + bias.float()
-    return y.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
+    return y.to(x.dtype)
 
 
-def _layer(x: Tensor, kc: Tensor, vc: Tensor, cols: Tensor, mask: Tensor, cos: Tensor, sin: Tensor,
-           w: tuple, d: Dims, act: Callable) -> Tensor:
-    """One decoder layer over T new tokens per row: (b, T, dm) -> (b, T, dm); writes their K/V.
+def _linear_parts(x: Tensor, w: Tensor, bias: Tensor | None, d: Dims, decode: bool) -> Tensor:
+    """``_linear`` as (S, *x.shape[:-1], n) parts whose sum over the first dimension, cast to
+    x's dtype, is its product: the split-K kernel's fp32 partials as they are (so their sum can
+    fuse into a kernel of the next compiled layer), else the product as one part."""
+    if d.linear != "triton" or not decode or x.shape[0] * x.shape[1] > 64 or bias is not None:
+        return _linear(x, w, bias, d, decode)[None]
+    return _partials(x, w, d)
+
+
+def _partials(x: Tensor, w: Tensor, d: Dims) -> Tensor:
+    op = torch.ops.rlhf.decode_linear_partials_pdl if d.pdl else torch.ops.rlhf.decode_linear_partials
+    return op(x.reshape(-1, x.shape[-1]), w).reshape(-1, *x.shape[:-1], w.shape[0])
+
+
+def _layer(x: Tensor, delta: Tensor | None, kc: Tensor, vc: Tensor, cols: Tensor, mask: Tensor, cos: Tensor, sin: Tensor,
+           w: tuple, d: Dims, act: Callable) -> tuple[Tensor, Tensor]:
+    """One decoder layer over T new tokens per row: its input ``x + delta.sum(0)`` (b, T, dm) ->
+    its output as (x', delta'); writes their K/V.
+
+    The residual add that ends a layer is left to the next: in the compiled layer it then fuses
+    with the next layer's first RMSNorm, and with the split-K linears the sum of the down
+    projection's partials with it (``_linear_parts``): one kernel a layer fewer, as one graph over
+    the whole decoder fuses it; the arithmetic is the same. ``delta`` None: the first layer.
 
     kc, vc: (b, n_kv, L, head_dim) cache, written at ``cols`` (T,). cos, sin: (b, 1, T, head_dim).
     w: (ln1, wqkv, bqkv, q_norm, k_norm, wo, bo, ln2, wgu, bgu, wd, bd) with q/k/v and gate/up
@@ -195,6 +225,8 @@ def _layer(x: Tensor, kc: Tensor, vc: Tensor, cols: Tensor, mask: Tensor, cos: T
     not T, tells them apart: a one-token prompt's prefill must not see the rest of the cache.
     """
     ln1, wqkv, bqkv, qn, kn, wo, bo, ln2, wgu, bgu, wd, bd = w
+    if delta is not None:
+        x = x + delta.sum(0).to(x.dtype)
     b, T, _ = x.shape
     nq, nkv, hd = d.n_heads * d.head_dim, d.n_kv * d.head_dim, d.head_dim
     decode = mask.dtype != torch.bool
@@ -214,7 +246,7 @@ def _layer(x: Tensor, kc: Tensor, vc: Tensor, cols: Tensor, mask: Tensor, cos: T
         o = o.transpose(1, 2).reshape(b, T, nq)
     x = x + _linear(o, wo, bo, d, decode)
     gate, up = _linear(_rms(x, ln2, d.eps), wgu, bgu, d, decode).chunk(2, dim=-1)
-    return x + _linear(act(gate) * up, wd, bd, d, decode)
+    return x, _linear_parts(act(gate) * up, wd, bd, d, decode)
 
 
 def _decoder(ids: Tensor, pos: Tensor, cols: Tensor, mask: Tensor, embed: Tensor, norm: Tensor, head: Tensor, head_bias: Tensor | None,
@@ -225,9 +257,11 @@ def _decoder(ids: Tensor, pos: Tensor, cols: Tensor, mask: Tensor, embed: Tensor
     position (b, V)."""
     x = F.embedding(ids, embed).to(dtype)
     cos, sin = cos_table[pos][:, None], sin_table[pos][:, None]
+    delta = None
     for kc, vc, w in zip(k_caches, v_caches, layers):
-        x = layer_fn(x, kc, vc, cols, mask, cos, sin, w, d, act)
-    return F.linear(_rms(x[:, -1], norm, d.eps), head, head_bias)
+        x, delta = layer_fn(x, delta, kc, vc, cols, mask, cos, sin, w, d, act)
+    x = x[:, -1] + delta[:, :, -1].sum(0).to(dtype)
+    return F.linear(_rms(x, norm, d.eps), head, head_bias)
 
 
 # ----------------------------------------------------------------------------- weights
@@ -367,6 +401,13 @@ class FastGenerator:
             raise ValueError(f"FastGenerator: compile_scope {compile_scope!r} is not 'layer' or 'forward'")
         # dynamic=None: a second batch size recompiles once with a symbolic batch dimension
         kw = dict(fullgraph=True, mode=compile_mode)
+        if want_compile and compile_mode is None and self.dims.linear == "triton" and LINEAR_PDL and _pdl_capable(self.device):
+            # the split-K linears as programmatic dependents of Inductor's kernels, which then let
+            # them launch once they have read their inputs: each linear's weights stream into the
+            # L2 while the kernel before it finishes (0.4b decode step 1.43 -> 1.40 ms on an H100,
+            # bench/RESULTS.md, 2026-12-06, fifth session)
+            self.dims = self.dims._replace(pdl=True)
+            kw = dict(fullgraph=True, options={"triton.enable_pdl": True})
         if want_compile:
             allow_recompiles()  # the compacted batch sizes, dtypes, split counts: more than dynamo's 8 versions
         self._decode_layer = torch.compile(_layer, **kw) if want_compile and compile_scope == "layer" else _layer
@@ -609,8 +650,8 @@ class FastGenerator:
 
     def info(self) -> dict:
         """What the decode runs with: {'cuda_graphs', 'graph_batch_sizes', 'weight_copy_gib', 'compiled', 'attention',
-        'linear', 'compact'}."""
+        'linear', 'linear_pdl', 'compact'}."""
         return {"cuda_graphs": self.use_cuda_graph, "graph_batch_sizes": sorted({k[0] for k in self._graphs}), "compact": self.compact,
                 "weight_copy_gib": self.weight_copy_bytes() / 2**30,
                 "compiled": self._decode_layer is not _layer or self._decode_forward is not _decoder,
-                "attention": self.dims.attention, "linear": self.dims.linear}
+                "attention": self.dims.attention, "linear": self.dims.linear, "linear_pdl": self.dims.pdl}
