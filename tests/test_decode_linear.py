@@ -66,7 +66,8 @@ def check_pdl_launch_equals_plain(device: str) -> str:
     n = 0
     for M, K, N in CASES[2:4]:
         x = torch.randn(M, K, generator=g).to(device, torch.bfloat16)
-        w1, w2 = (torch.randn(N if i == 0 else K, K if i == 0 else N, generator=g).to(device, torch.bfloat16) * 0.05 for i in range(2))
+        w1 = torch.randn(N, K, generator=g).to(device, torch.bfloat16) * 0.05  # K -> N
+        w2 = torch.randn(K, N, generator=g).to(device, torch.bfloat16) * 0.05  # N -> K
 
         def chain(op):  # two linears, the second reading the first's product (dependent launches)
             h = op(x, w1).sum(0).relu().to(x.dtype)

@@ -18,9 +18,10 @@ by default and ``ppo.decode_linear`` opts in. On Hopper FastGenerator launches i
 programmatic dependent (``decode_linear_partials_pdl``, Inductor's kernels around it compiled
 with PDL): each program prefetches its weight slice into the L2 before waiting on the kernel
 before it, and the 0.4B step takes 1.40 ms against 1.43 without and cuBLAS's 1.51 (fifth session).
-bench/decode_parts.py's gemm part times this kernel beside cuBLAS over launch settings (24 layer weights in turn, cold L2) and fills ``TUNED``; its
-step options ``tlinear`` / ``tuned`` run it in the whole decode step; the tests run it in Triton's
-interpreter on CPU and natively on a GPU.
+bench/decode_parts.py's gemm part times this kernel beside cuBLAS over launch settings (24 layer
+weights in turn, cold L2) and fills ``TUNED``; its step options ``tlinear`` / ``tuned`` / ``nopdl``
+run it in the whole decode step; the tests run it in Triton's interpreter on CPU and natively on
+a GPU.
 
 Like tasks/ppo/decode_attention.py a ``torch.library.triton_op`` (and the PDL launch a
 ``custom_op``: torch.compile cannot give a user kernel's launch that attribute); the module imports
@@ -141,6 +142,7 @@ def _plan(x: Tensor, w: Tensor) -> tuple[int, int, int, int, int]:
 
 
 def _launch(kernel, x: Tensor, w: Tensor, pdl: bool) -> Tensor:
+    """``kernel`` (the JIT function, or wrapped for torch.compile) launched on x @ w^T -> its partials."""
     M, K = x.shape
     N = w.shape[0]
     if x.stride(-1) != 1:

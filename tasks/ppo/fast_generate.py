@@ -186,7 +186,7 @@ def _linear(x: Tensor, w: Tensor, bias: Tensor | None, d: Dims, decode: bool) ->
     """F.linear, or at a decode step of at most 64 rows (``decode_linear.MAX_ROWS``) with
     ``d.linear`` 'triton' the split-K kernel of tasks/ppo/decode_linear.py: its fp32 partials
     summed, the bias added, cast (Inductor folds this into the kernel that consumes the product)."""
-    if d.linear != "triton" or not decode or x.shape[0] * x.shape[1] > 64:
+    if not _split_k(x, d, decode):
         return F.linear(x, w, bias)
     y = _partials(x, w, d).sum(0)
     if bias is not None:
@@ -198,9 +198,14 @@ def _linear_parts(x: Tensor, w: Tensor, bias: Tensor | None, d: Dims, decode: bo
     """``_linear`` as (S, *x.shape[:-1], n) parts whose sum over the first dimension, cast to
     x's dtype, is its product: the split-K kernel's fp32 partials as they are (so their sum can
     fuse into a kernel of the next compiled layer), else the product as one part."""
-    if d.linear != "triton" or not decode or x.shape[0] * x.shape[1] > 64 or bias is not None:
+    if not _split_k(x, d, decode) or bias is not None:
         return _linear(x, w, bias, d, decode)[None]
     return _partials(x, w, d)
+
+
+def _split_k(x: Tensor, d: Dims, decode: bool) -> bool:
+    """Whether a linear of x (b, T, k) runs the split-K kernel: ``d.linear`` 'triton' at a decode step of at most 64 rows."""
+    return d.linear == "triton" and decode and x.shape[0] * x.shape[1] <= 64
 
 
 def _partials(x: Tensor, w: Tensor, d: Dims) -> Tensor:
