@@ -218,8 +218,10 @@ def step_variant(model, name: str, prompts, attn, a, gbps: float) -> dict:
     tuned = launch(dict(TUNED=dict(TUNED_LINEAR) if "tuned" in opts else {}), "decode_linear")  # each shape at its sweep's best
     # nopdl: the split-K linears launched plainly (FastGenerator launches them as programmatic
     # dependents, prefetching their weight slices into the L2, where it can)
-    linear_pdl = launch(dict(LINEAR_PDL="nopdl" not in opts), "fast_generate")
-    with launch(settings), pdl, tuned, linear_pdl:
+    flags = launch(dict(LINEAR_PDL="nopdl" not in opts, ATTENTION_ROPE="norope" not in opts, ATTENTION_PDL="apdl" in opts),
+                   "fast_generate")  # norope: RoPE and the K/V cache writes in kernels of their own, not in the Triton
+    # attention's; apdl: that attention kernel launched as a programmatic dependent beside the PDL linears
+    with launch(settings), pdl, tuned, flags:
         fg, r = time_fast(model, prompts, attn, kw, a, attention=attention,
                           compile_scope="forward" if "whole" in opts else "layer",
                           compile_mode="max-autotune-no-cudagraphs" if "autotune" in opts and DEV == "cuda" else None,
@@ -258,7 +260,7 @@ def main() -> None:
     ap.add_argument("--no-autotune", action="store_true", help="skip Inductor's max-autotune GEMMs")
     ap.add_argument("--steps", default="sdpa,triton,triton+autotune,triton+whole,triton+whole+autotune",
                     help="whole-step variants: an attention ('sdpa', 'triton') then +options: autotune (compile_mode "
-                    "max-autotune-no-cudagraphs), whole (compile_scope 'forward'), pdl (Inductor's kernels with programmatic dependent launch), nopdl (the split-K linears launched plainly, not as programmatic dependents), tlinear (the split-K Triton linears), tuned (them at the gemm part's fastest settings per shape), warpsN, stagesN, blockN, persmN "
+                    "max-autotune-no-cudagraphs), whole (compile_scope 'forward'), pdl (Inductor's kernels with programmatic dependent launch), nopdl (the split-K linears launched plainly, not as programmatic dependents), norope (RoPE and the cache writes in kernels of their own, not in the Triton attention's), apdl (that kernel launched as a programmatic dependent beside the PDL linears), tlinear (the split-K Triton linears), tuned (them at the gemm part's fastest settings per shape), warpsN, stagesN, blockN, persmN "
                     "(attention launch settings)")
     ap.add_argument("--profile-rows", type=int, default=24)
     a = ap.parse_args()

@@ -125,6 +125,64 @@ def check_fast_generator_triton_equals_sdpa(device: str) -> str:
     return fast_generators_decode_alike(device, "attention", ("triton", "sdpa"))
 
 
+def check_rope_in_attention_equals_separate_ops(device: str) -> str:
+    """``decode_attention_rope`` (RoPE and the cache writes in the kernel) against the separate
+    steps it replaces: the parts summed and cast, rotate_half RoPE on q and k, ``index_copy_`` of
+    k and v at the column, ``decode_attention``. Parts of the cache dtype (one) and fp32 partials
+    (three); every split count; the written column equals, no other column changes; then
+    FastGenerators with the separate ops decode as with SDPA (and with it, the default, in
+    ``check_fast_generator_triton_equals_sdpa``). ``decode_attention_rope_pdl`` gives the same
+    output and cache bit for bit, eagerly and compiled."""
+    import tasks.ppo.fast_generate as fgm
+    from tasks.ppo.decode_attention import decode_attention
+
+    gen = torch.Generator().manual_seed(2)
+    pdl_op = torch.ops.rlhf.decode_attention_rope_pdl
+    compiled_pdl_op = torch.compile(lambda *args: pdl_op(*args), fullgraph=True)
+    n = 0
+    for dtype in (torch.float32, torch.bfloat16):
+        for b, n_kv, g, hd, L in CASES[:5]:
+            _, kc, vc, bias = inputs(b, n_kv, g, hd, L, dtype, device, seed=3)
+            col = int(torch.randint(0, L, (1,), generator=gen))
+            bias[:, :, :, col] = 0.0  # the new column is visible, as the decode step makes it
+            cos, sin = (torch.randn(b, hd, generator=gen).to(device, dtype) for _ in range(2))
+            n_out = (n_kv * g + 2 * n_kv) * hd
+            # multiples of 1/32 below 2: their fp32 sum is exact in any order and a bfloat16
+            small = lambda p: ((torch.randn(p, b, n_out, generator=gen) * 4).round().clamp(-20, 20) / 32).to(device)  # noqa: E731
+            for parts in (small(1).to(dtype), small(3)):
+                y = parts.sum(0).to(dtype)
+                q, k, v = y.split([n_kv * g * hd, n_kv * hd, n_kv * hd], dim=-1)
+                q, k, v = q.view(b, n_kv * g, 1, hd), k.view(b, n_kv, 1, hd), v.view(b, n_kv, 1, hd)
+                c, s = cos[:, None, None].float(), sin[:, None, None].float()
+                q, k = (fgm._rope(t.float(), c, s).to(dtype) for t in (q, k))
+                cols = torch.tensor([col], device=device)
+                for splits in (0, 1, 3):
+                    k_want, v_want = kc.clone().index_copy_(2, cols, k), vc.clone().index_copy_(2, cols, v)
+                    want = decode_attention(q.reshape(b, n_kv, g, hd), k_want, v_want, bias, hd ** -0.5, splits)
+                    k_got, v_got = kc.clone(), vc.clone()
+                    got = torch.ops.rlhf.decode_attention_rope(parts, cos, sin, k_got, v_got, cols, bias, hd ** -0.5, n_kv * g, splits)
+                    tol = TOL[dtype] if parts.shape[0] > 1 or dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+                    where = (b, n_kv, g, hd, L, dtype, parts.shape[0], splits)
+                    torch.testing.assert_close(k_got, k_want, **tol, msg=lambda m: f"k {where}: {m}")
+                    assert torch.equal(v_got, v_want), where
+                    others = torch.arange(L, device=device) != col
+                    assert torch.equal(k_got[:, :, others], kc[:, :, others]) and torch.equal(v_got[:, :, others], vc[:, :, others])
+                    torch.testing.assert_close(got, want, **tol, msg=lambda m: f"out {where}: {m}")
+                    if splits == 0:  # its programmatic-dependent launch (CPU: a plain one), eagerly and (first case) compiled
+                        for call in (pdl_op, compiled_pdl_op) if (b, n_kv, g, hd, L) == CASES[0] else (pdl_op,):
+                            k_pdl, v_pdl = kc.clone(), vc.clone()
+                            assert torch.equal(call(parts, cos, sin, k_pdl, v_pdl, cols, bias, hd ** -0.5, n_kv * g), got), where
+                            assert torch.equal(k_pdl, k_got) and torch.equal(v_pdl, v_got), where
+                    n += 1
+    saved = fgm.ATTENTION_ROPE
+    try:
+        fgm.ATTENTION_ROPE = False  # the default is RoPE in the kernel: here the separate kernels, against SDPA
+        rollouts = fast_generators_decode_alike(device, "attention", ("triton", "sdpa"))
+    finally:
+        fgm.ATTENTION_ROPE = saved
+    return f"{n} steps equal, {rollouts}"
+
+
 def _run(check) -> str:
     """``check`` natively on CUDA, else in a fresh interpreter-mode process; its result line."""
     if DEVICE == "cuda":
@@ -199,3 +257,7 @@ def test_triton_kernels_without_the_triton_package_are_refused_with_the_package_
     for option, library in (("attention", "sdpa"), ("linear", "cublas")):
         assert f"RESULT FastGenerator: {option} 'triton' needs the triton package" in proc.stdout
         assert f"install it or use {option} '{library}'" in proc.stdout
+
+
+def test_rope_and_cache_writes_in_the_attention_kernel_equal_the_separate_ops():
+    assert _run(check_rope_in_attention_equals_separate_ops) == f"{2 * 5 * 2 * 3} steps equal, 4 rollouts equal"

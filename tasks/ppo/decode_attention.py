@@ -10,6 +10,11 @@ H200 to read what the copy bandwidth reads in 16 (0.4b, batch 64, 256 columns: b
    without repeating K/V) and keeps the online-softmax state in fp32: running max ``m``, sum
    ``l`` and the unnormalised weighted sum of V. With one split it writes the output directly.
 2. ``_combine_kernel``, grid (b * n_kv,): merges the splits' states (log-sum-exp rescaling).
+3. ``_partial_rope_kernel`` (``decode_attention_rope``, FastGenerator's decode step by default):
+   ``_partial_kernel`` that starts from the step's packed q/k/v projection (the split-K linears'
+   fp32 partials as they are): it sums them, applies RoPE to q and k, writes k and v into the
+   cache column and attends, so RoPE and the two cache writes need no kernels of their own (the
+   0.4b decode step 1.398 -> 1.363 ms on an H100, bench/RESULTS.md, 2026-12-06, sixth session).
 
 Masked columns (bias at the dtype's minimum) are not loaded: their K/V loads are predicated off,
 so they cost no memory traffic and contribute exactly zero; late in a rollout most of a row is
@@ -53,6 +58,24 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
+def _sum_parts(QKV, sp, offsets, ok, PARTS: tl.constexpr, dtype: tl.constexpr):
+    """sum over ``PARTS`` of QKV[part, offsets] in fp32, rounded to ``dtype`` (as ``_linear``'s
+    cast of the summed partials), back in fp32."""
+    x = tl.load(QKV + offsets, mask=ok, other=0.0).to(tl.float32)
+    for part in tl.static_range(1, PARTS):
+        x += tl.load(QKV + part * sp + offsets, mask=ok, other=0.0).to(tl.float32)
+    return x.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _rope_from_parts(QKV, sp, offsets, partner, ok, sign, cos, sin, PARTS: tl.constexpr, dtype: tl.constexpr):
+    """x cos + rotate_half(x) sin of the summed parts at ``offsets``; rotate_half(x)[d] = sign[d] x[partner[d]]."""
+    x = _sum_parts(QKV, sp, offsets, ok, PARTS, dtype)
+    xr = _sum_parts(QKV, sp, partner, ok, PARTS, dtype)
+    return (x * cos + sign * xr * sin).to(dtype)
+
+
+@triton.jit
 def _partial_kernel(Q, K, V, Bias, Out, Mx, Sm, Acc,
                     sq_b, sq_h, sq_g, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l, sb_b, sb_l, so_b, so_h, so_g,
                     n_kv, G, L, cols_per_split, scale: tl.constexpr, masked: tl.constexpr, HD: tl.constexpr,
@@ -66,14 +89,70 @@ def _partial_kernel(Q, K, V, Bias, Out, Mx, Sm, Acc,
     the compiled decode layer on the H200, 2026-12-04)."""
     pair, split = tl.program_id(0), tl.program_id(1)
     row, head = (pair // n_kv).to(tl.int64), pair % n_kv  # 64-bit offsets: a cache past 2**31 elements
+    offs_g, offs_d = tl.arange(0, G_PAD), tl.arange(0, HD_PAD)
+    q = tl.load(Q + row * sq_b + head * sq_h + offs_g[:, None] * sq_g + offs_d[None, :],
+                mask=(offs_g < G)[:, None] & (offs_d < HD)[None, :], other=0.0)
+    _attend(q, K + row * sk_b + head * sk_h, V + row * sv_b + head * sv_h, Bias + row * sb_b, Out + row * so_b + head * so_h,
+            Mx, Sm, Acc, pair, split, sk_l, sv_l, sb_l, so_g, G, L, cols_per_split, scale, masked, HD, G_PAD, HD_PAD, BLOCK,
+            ONE_SPLIT, DOT_IN_F32)
+
+
+@triton.jit
+def _partial_rope_kernel(QKV, Cos, Sin, Col, K, V, Bias, Out, Mx, Sm, Acc,
+                         sp, sqkv_b, sc_b, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l, sb_b, sb_l, so_b, so_h, so_g,
+                         n_kv, G, L, cols_per_split, scale: tl.constexpr, masked: tl.constexpr, HD: tl.constexpr,
+                         G_PAD: tl.constexpr, HD_PAD: tl.constexpr, BLOCK: tl.constexpr, ONE_SPLIT: tl.constexpr,
+                         DOT_IN_F32: tl.constexpr, PARTS: tl.constexpr, PDL: tl.constexpr):
+    """``_partial_kernel`` from the step's packed projection: q, k and v come as ``PARTS`` parts of
+    ``QKV`` (parts, b, (n_kv G + 2 n_kv) HD) whose sum is it (the split-K linears' fp32 partials, or
+    the product itself as one part). The program sums its group's queries and its head's k and v,
+    rotates q and k by the row's ``Cos`` / ``Sin`` (b, HD) as rotate_half RoPE does, writes k and v
+    into cache column ``Col`` (the split that holds it does) and attends with q from registers:
+    RoPE and the cache writes need no kernels of their own. ``PDL`` (launched as a programmatic
+    dependent of the kernel before, the packed projection): the program waits for that kernel
+    before reading its product and lets the next kernel launch at once: the next one's programs
+    take the SMs this kernel's last wave leaves free and prefetch their weights there."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    pair, split = tl.program_id(0), tl.program_id(1)
+    row, head = (pair // n_kv).to(tl.int64), pair % n_kv
+    offs_g, offs_d = tl.arange(0, G_PAD), tl.arange(0, HD_PAD)
+    g_ok, d_ok = offs_g < G, offs_d < HD
+    dtype: tl.constexpr = K.dtype.element_ty
+    half: tl.constexpr = HD // 2
+    partner = tl.where(offs_d < half, offs_d + half, offs_d - half)  # rotate_half(x) = (-x2, x1)
+    sign = tl.where(offs_d < half, -1.0, 1.0)
+    cos = tl.load(Cos + row * sc_b + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+    sin = tl.load(Sin + row * sc_b + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+    at = QKV + row * sqkv_b
+    q_at = (head * G + offs_g)[:, None] * HD
+    q = _rope_from_parts(at, sp, q_at + offs_d[None, :], q_at + partner[None, :], g_ok[:, None] & d_ok[None, :],
+                         sign[None, :], cos[None, :], sin[None, :], PARTS, dtype)
+    k_at = n_kv * G * HD + head * HD
+    k = _rope_from_parts(at, sp, k_at + offs_d, k_at + partner, d_ok, sign, cos, sin, PARTS, dtype)
+    v = _sum_parts(at, sp, n_kv * (G + 1) * HD + head * HD + offs_d, d_ok, PARTS, dtype).to(dtype)
+    k_base, v_base = K + row * sk_b + head * sk_h, V + row * sv_b + head * sv_h
+    start = split * cols_per_split
+    col = tl.load(Col + offs_d * 0)  # the column, once a lane (Triton's interpreter masks no scalar compare)
+    mine = d_ok & (col >= start) & (col < tl.minimum(start + cols_per_split, L))  # the split that holds it writes it
+    tl.store(k_base + col * sk_l + offs_d, k, mask=mine)
+    tl.store(v_base + col * sv_l + offs_d, v, mask=mine)
+    tl.debug_barrier()  # the block's own stores before its loads of the tiles
+    _attend(q, k_base, v_base, Bias + row * sb_b, Out + row * so_b + head * so_h, Mx, Sm, Acc, pair, split,
+            sk_l, sv_l, sb_l, so_g, G, L, cols_per_split, scale, masked, HD, G_PAD, HD_PAD, BLOCK, ONE_SPLIT, DOT_IN_F32)
+
+
+@triton.jit
+def _attend(q, k_base, v_base, bias_row, out_base, Mx, Sm, Acc, pair, split, sk_l, sv_l, sb_l, so_g, G, L, cols_per_split,
+            scale: tl.constexpr, masked: tl.constexpr, HD: tl.constexpr, G_PAD: tl.constexpr, HD_PAD: tl.constexpr,
+            BLOCK: tl.constexpr, ONE_SPLIT: tl.constexpr, DOT_IN_F32: tl.constexpr):
+    """The online softmax of the group's queries ``q`` (G_PAD, HD_PAD) over this split's visible
+    columns of one (row, KV head)'s cache, and its state (or, with ``ONE_SPLIT``, output) written."""
     offs_g, offs_d, offs_n = tl.arange(0, G_PAD), tl.arange(0, HD_PAD), tl.arange(0, BLOCK)
     g_ok, d_ok = offs_g < G, offs_d < HD
-    q = tl.load(Q + row * sq_b + head * sq_h + offs_g[:, None] * sq_g + offs_d[None, :],
-                mask=g_ok[:, None] & d_ok[None, :], other=0.0)
     if DOT_IN_F32:
         q = q.to(tl.float32)
-    k_base = K + row * sk_b + head * sk_h
-    v_base = V + row * sv_b + head * sv_h
     LOG2E: tl.constexpr = 1.4426950408889634
 
     m = tl.full([G_PAD], float("-inf"), tl.float32)
@@ -83,7 +162,7 @@ def _partial_kernel(Q, K, V, Bias, Out, Mx, Sm, Acc,
     end = tl.minimum(start + cols_per_split, L)
     for n0 in range(start, end, BLOCK):
         cols = n0 + offs_n
-        bias = tl.load(Bias + row * sb_b + cols * sb_l, mask=cols < end, other=masked).to(tl.float32)
+        bias = tl.load(bias_row + cols * sb_l, mask=cols < end, other=masked).to(tl.float32)
         seen = bias > masked  # predicated K/V loads: a masked column is never read
         kt = tl.load(k_base + cols[None, :] * sk_l + offs_d[:, None], mask=seen[None, :] & d_ok[:, None], other=0.0)
         if DOT_IN_F32:
@@ -104,8 +183,8 @@ def _partial_kernel(Q, K, V, Bias, Out, Mx, Sm, Acc,
 
     if ONE_SPLIT:
         out = acc / s[:, None]
-        tl.store(Out + row * so_b + head * so_h + offs_g[:, None] * so_g + offs_d[None, :],
-                 out.to(Out.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+        tl.store(out_base + offs_g[:, None] * so_g + offs_d[None, :], out.to(out_base.dtype.element_ty),
+                 mask=g_ok[:, None] & d_ok[None, :])
     else:
         state = (pair * tl.num_programs(1) + split) * G + offs_g
         tl.store(Mx + state, m, mask=g_ok)
@@ -179,33 +258,83 @@ def decode_attention(q: Tensor, kc: Tensor, vc: Tensor, bias: Tensor, scale: flo
     columns are skipped); every row must see at least one column. -> (b, n_kv, g, hd), q's dtype.
     ``num_splits``: column splits per (row, KV head); 0 chooses from the shape (``choose_splits``).
     """
-    b, n_kv, g, hd = q.shape
+    return _attention(q, kc, vc, bias, scale, num_splits)
+
+
+@torch.library.triton_op("rlhf::decode_attention_rope", mutates_args={"kc", "vc"})
+def decode_attention_rope(qkv: Tensor, cos: Tensor, sin: Tensor, kc: Tensor, vc: Tensor, col: Tensor, bias: Tensor,
+                          scale: float, n_heads: int, num_splits: int = 0) -> Tensor:
+    """``decode_attention`` of the step's packed projection: RoPE on q and k and the cache write
+    of k and v at column ``col`` (1,) done in its kernel. qkv (parts, b, (n_heads + 2 n_kv) hd)
+    whose sum over the parts, cast to the cache dtype, is q | k | v before RoPE (fast_generate's
+    ``_linear_parts``); cos, sin (b, hd): the rows' rotary tables at this step. Writes kc / vc at
+    ``col`` as ``index_copy_`` of the rotated k and of v would; -> (b, n_kv, g, hd)."""
+    b, n_kv, L, hd = kc.shape
+    assert qkv.shape == (qkv.shape[0], b, (n_heads + 2 * n_kv) * hd) and cos.shape == sin.shape == (b, hd), (qkv.shape, cos.shape, kc.shape)
+    assert qkv.stride(-1) == 1 and cos.stride(-1) == 1 and sin.stride(1) == cos.stride(1) and cos.stride(0) == sin.stride(0)
+    assert hd % 2 == 0 and col.numel() == 1, (hd, col.shape)
+    return _attention(None, kc, vc, bias, scale, num_splits, rope=(qkv, cos, sin, col, n_heads // n_kv))
+
+
+@torch.library.custom_op("rlhf::decode_attention_rope_pdl", mutates_args={"kc", "vc"})
+def decode_attention_rope_pdl(qkv: Tensor, cos: Tensor, sin: Tensor, kc: Tensor, vc: Tensor, col: Tensor, bias: Tensor,
+                              scale: float, n_heads: int, num_splits: int = 0) -> Tensor:
+    """``decode_attention_rope`` launched as a programmatic dependent (CUDA sm90+; a plain launch
+    elsewhere): an opaque op to torch.compile, as tasks/ppo/decode_linear.py's
+    ``decode_linear_partials_pdl`` (a user kernel's launch cannot carry the attribute there)."""
+    return _attention(None, kc, vc, bias, scale, num_splits, rope=(qkv, cos, sin, col, n_heads // kc.shape[1]), pdl=pdl_capable(kc.device))
+
+
+@decode_attention_rope_pdl.register_fake
+def _(qkv, cos, sin, kc, vc, col, bias, scale, n_heads, num_splits=0):
+    b, n_kv, _, hd = kc.shape
+    return kc.new_empty((b, n_kv, n_heads // n_kv, hd))
+
+
+def pdl_capable(device: torch.device) -> bool:
+    """Programmatic dependent launch (``griddepcontrol``): a CUDA device of sm90+, not Triton's interpreter."""
+    return device.type == "cuda" and not INTERPRETED and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _attention(q: Tensor | None, kc: Tensor, vc: Tensor, bias: Tensor, scale: float, num_splits: int, rope: tuple | None = None,
+               pdl: bool = False) -> Tensor:
+    """The kernels' launch: q given, or (with ``rope``) made in the kernel from the projection's
+    parts; ``pdl``: that kernel launched plainly (not wrapped for torch.compile) as a programmatic dependent."""
+    if rope is None:
+        b, n_kv, g, hd = q.shape
+    else:
+        qkv, cos, sin, col, g = rope
+        b, n_kv, _, hd = kc.shape
     L = kc.shape[2]
-    assert kc.shape == vc.shape == (b, n_kv, L, hd) and bias.shape == (b, 1, 1, L), (q.shape, kc.shape, vc.shape, bias.shape)
-    assert q.dtype == kc.dtype == vc.dtype, (q.dtype, kc.dtype, vc.dtype)
+    assert kc.shape == vc.shape == (b, n_kv, L, hd) and bias.shape == (b, 1, 1, L), (kc.shape, vc.shape, bias.shape)
+    assert rope is not None or q.dtype == kc.dtype == vc.dtype, (q.dtype, kc.dtype, vc.dtype)
     assert kc.stride(-1) == 1 and vc.stride(-1) == 1, "the cache's head dimension must be contiguous"
-    if q.stride(-1) != 1:
+    if rope is None and q.stride(-1) != 1:
         q = q.contiguous()
     block = tile_columns(hd, kc.element_size())
-    splits = num_splits or choose_splits(b * n_kv, L, _sms(q.device), block)
+    splits = num_splits or choose_splits(b * n_kv, L, _sms(kc.device), block)
     cols_per_split = _cdiv(_cdiv(L, splits), block) * block  # whole tiles
     splits = _cdiv(L, cols_per_split)  # no split left without a column
-    out = torch.empty((b, n_kv, g, hd), dtype=q.dtype, device=q.device)
+    out = torch.empty((b, n_kv, g, hd), dtype=kc.dtype, device=kc.device)
     g_pad, hd_pad = max(MIN_ROWS, triton.next_power_of_2(g)), max(MIN_ROWS, triton.next_power_of_2(hd))
     masked = torch.finfo(bias.dtype).min
     # the splits' states (allocated, not written, with one split: no tensor passed twice, which
     # torch.compile's functionalisation of the kernel's outputs would have to untangle)
-    mx = torch.empty((b, n_kv, splits, g), dtype=torch.float32, device=q.device)
-    sm = torch.empty((b, n_kv, splits, g), dtype=torch.float32, device=q.device)
-    acc = torch.empty((b, n_kv, splits, g, hd), dtype=torch.float32, device=q.device)
-    torch.library.wrap_triton(_partial_kernel)[(b * n_kv, splits)](
-        q, kc, vc, bias, out, mx, sm, acc,
-        q.stride(0), q.stride(1), q.stride(2), kc.stride(0), kc.stride(1), kc.stride(2),
-        vc.stride(0), vc.stride(1), vc.stride(2), bias.stride(0), bias.stride(3),
-        out.stride(0), out.stride(1), out.stride(2),
-        n_kv, g, L, cols_per_split, scale, masked, HD=hd,
-        G_PAD=g_pad, HD_PAD=hd_pad, BLOCK=block, ONE_SPLIT=splits == 1, DOT_IN_F32=INTERPRETED,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    mx = torch.empty((b, n_kv, splits, g), dtype=torch.float32, device=kc.device)
+    sm = torch.empty((b, n_kv, splits, g), dtype=torch.float32, device=kc.device)
+    acc = torch.empty((b, n_kv, splits, g, hd), dtype=torch.float32, device=kc.device)
+    common = (kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2), bias.stride(0), bias.stride(3),
+              out.stride(0), out.stride(1), out.stride(2), n_kv, g, L, cols_per_split, scale, masked)
+    launch = dict(HD=hd, G_PAD=g_pad, HD_PAD=hd_pad, BLOCK=block, ONE_SPLIT=splits == 1, DOT_IN_F32=INTERPRETED,
+                  num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    if rope is None:
+        torch.library.wrap_triton(_partial_kernel)[(b * n_kv, splits)](
+            q, kc, vc, bias, out, mx, sm, acc, q.stride(0), q.stride(1), q.stride(2), *common, **launch)
+    else:
+        kernel, extra = (_partial_rope_kernel, {"launch_pdl": True}) if pdl else (torch.library.wrap_triton(_partial_rope_kernel), {})
+        kernel[(b * n_kv, splits)](
+            qkv, cos, sin, col, kc, vc, bias, out, mx, sm, acc, qkv.stride(0), qkv.stride(1), cos.stride(0), *common,
+            PARTS=qkv.shape[0], PDL=pdl, **launch, **extra)
     if splits > 1:
         torch.library.wrap_triton(_combine_kernel)[(b * n_kv,)](
             mx, sm, acc, out, out.stride(0), out.stride(1), out.stride(2), n_kv, g, splits,

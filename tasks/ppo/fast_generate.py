@@ -136,6 +136,9 @@ def pick_kernel(option: str, choice: str, device: torch.device) -> str:
 
 
 LINEAR_PDL = True  # the split-K linears as programmatic dependents where they can be (bench/decode_parts.py's 'nopdl' turns it off)
+ATTENTION_ROPE = True  # attention='triton': RoPE and the K/V cache writes of a decode step in its kernel, two kernels a layer fewer
+# (0.4b on an H100: 1.398 -> 1.363 ms; 'norope' in bench/decode_parts.py); not with Qwen3's q/k norms
+ATTENTION_PDL = False  # with the PDL linears: that kernel launched as a programmatic dependent too ('apdl'; not measured yet)
 
 
 def _pdl_capable(device: torch.device) -> bool:
@@ -155,6 +158,7 @@ class Dims(NamedTuple):
     attention: str = "sdpa"  # the decode attention: 'sdpa' or 'triton' (a constant of the compiled layer)
     linear: str = "cublas"  # the decode step's linears: 'cublas' (F.linear) or 'triton' (tasks/ppo/decode_linear.py)
     pdl: bool = False  # the split-K linears launched as programmatic dependents (``decode_linear_partials_pdl``; compiled, sm90+)
+    rope_in_attention: bool = False  # decode: RoPE and the K/V cache writes inside the Triton attention (``decode_attention_rope``)
 
 
 def _rms(x: Tensor, w: Tensor, eps: float) -> Tensor:
@@ -229,13 +233,19 @@ def _layer(x: Tensor, delta: Tensor | None, kc: Tensor, vc: Tensor, cols: Tensor
     (prefill, ``cols`` = 0..T-1): (b, 1, T, T) over the prompt's columns only. The mask's dtype,
     not T, tells them apart: a one-token prompt's prefill must not see the rest of the cache.
     """
-    ln1, wqkv, bqkv, qn, kn, wo, bo, ln2, wgu, bgu, wd, bd = w
+    ln1, wqkv, bqkv, qn, kn, wo, bo = w[:7]
     if delta is not None:
         x = x + delta.sum(0).to(x.dtype)
     b, T, _ = x.shape
     nq, nkv, hd = d.n_heads * d.head_dim, d.n_kv * d.head_dim, d.head_dim
     decode = mask.dtype != torch.bool
-    q, k, v = _linear(_rms(x, ln1, d.eps), wqkv, bqkv, d, decode).split([nq, nkv, nkv], dim=-1)
+    h = _rms(x, ln1, d.eps)
+    if decode and d.rope_in_attention:  # T == 1: RoPE and the cache writes in the attention kernel
+        qkv = _linear_parts(h, wqkv, bqkv, d, decode)[:, :, 0]
+        op = torch.ops.rlhf.decode_attention_rope_pdl if d.pdl and ATTENTION_PDL else torch.ops.rlhf.decode_attention_rope
+        o = op(qkv, cos[:, 0, 0], sin[:, 0, 0], kc, vc, cols, mask, d.scale, d.n_heads)
+        return _mlp(x + _linear(o.reshape(b, 1, nq), wo, bo, d, decode), w, d, act, decode)
+    q, k, v = _linear(h, wqkv, bqkv, d, decode).split([nq, nkv, nkv], dim=-1)
     q, k, v = q.view(b, T, d.n_heads, hd), k.view(b, T, d.n_kv, hd), v.view(b, T, d.n_kv, hd)
     if qn is not None:  # Qwen3: RMSNorm over head_dim before RoPE
         q, k = _rms(q, qn, d.eps), _rms(k, kn, d.eps)
@@ -249,7 +259,12 @@ def _layer(x: Tensor, delta: Tensor | None, kc: Tensor, vc: Tensor, cols: Tensor
         o = F.scaled_dot_product_attention(q, kc[:, :, :T], vc[:, :, :T], attn_mask=mask, scale=d.scale,
                                            enable_gqa=d.n_kv != d.n_heads)
         o = o.transpose(1, 2).reshape(b, T, nq)
-    x = x + _linear(o, wo, bo, d, decode)
+    return _mlp(x + _linear(o, wo, bo, d, decode), w, d, act, decode)
+
+
+def _mlp(x: Tensor, w: tuple, d: Dims, act: Callable, decode: bool) -> tuple[Tensor, Tensor]:
+    """The layer's second half: (x, the MLP's product as ``_linear_parts``) of x after attention."""
+    ln2, wgu, bgu, wd, bd = w[7:]
     gate, up = _linear(_rms(x, ln2, d.eps), wgu, bgu, d, decode).chunk(2, dim=-1)
     return x, _linear_parts(act(gate) * up, wd, bd, d, decode)
 
@@ -373,6 +388,8 @@ class FastGenerator:
         self.dims = Dims(cfg.num_attention_heads, n_kv, head_dim, float(getattr(attn0, "scaling", head_dim ** -0.5)),
                          float(self.norm.variance_epsilon), pick_kernel("attention", attention, self.device),
                          pick_kernel("linear", linear, self.device))
+        if self.dims.attention == "triton" and ATTENTION_ROPE and not hasattr(attn0, "q_norm"):  # Qwen3's q/k norms: separate kernels
+            self.dims = self.dims._replace(rope_in_attention=True)
         self.act = self.layers[0].mlp.act_fn
 
         kw = dict(device=self.device, dtype=self.dtype)
@@ -655,8 +672,9 @@ class FastGenerator:
 
     def info(self) -> dict:
         """What the decode runs with: {'cuda_graphs', 'graph_batch_sizes', 'weight_copy_gib', 'compiled', 'attention',
-        'linear', 'linear_pdl', 'compact'}."""
+        'attention_rope', 'linear', 'linear_pdl', 'compact'}."""
         return {"cuda_graphs": self.use_cuda_graph, "graph_batch_sizes": sorted({k[0] for k in self._graphs}), "compact": self.compact,
                 "weight_copy_gib": self.weight_copy_bytes() / 2**30,
                 "compiled": self._decode_layer is not _layer or self._decode_forward is not _decoder,
-                "attention": self.dims.attention, "linear": self.dims.linear, "linear_pdl": self.dims.pdl}
+                "attention": self.dims.attention, "attention_rope": self.dims.rope_in_attention, "linear": self.dims.linear,
+                "linear_pdl": self.dims.pdl}
