@@ -99,11 +99,12 @@ def check_masked_columns_contribute_nothing(device: str) -> str:
     return f"{n} cases: masked columns contribute nothing"
 
 
-def fast_generators_decode_alike(device: str, option: str, values: tuple[str, str]) -> str:
-    """FastGenerators that differ in one option (``option`` = each of ``values``) decode the same
-    greedy tokens, on the tiny GQA Llama and Qwen2 (q/k/v biases) of tests/test_fast_generate.py;
-    on CUDA compiled and captured in a CUDA graph, at two batch sizes (the second compiles with a
-    symbolic batch). Each reports the value it took in ``info()``."""
+def fast_generators_decode_alike(device: str, option: str, values: tuple[str, str], **fixed) -> str:
+    """FastGenerators that differ in one option (``option`` = each of ``values``; ``fixed`` the
+    same for both) decode the same greedy tokens, on the tiny GQA Llama and Qwen2 (q/k/v biases)
+    of tests/test_fast_generate.py; on CUDA compiled and captured in a CUDA graph, at two batch
+    sizes (the second compiles with a symbolic batch). Each reports the value it took in ``info()``."""
+    import tasks.ppo.fast_generate as fgm
     from tasks.ppo.fast_generate import FastGenerator
     from tests.test_fast_generate import fast, left_padded, tiny
 
@@ -111,7 +112,9 @@ def fast_generators_decode_alike(device: str, option: str, values: tuple[str, st
     for kind in ("llama", "qwen2"):
         model = tiny(kind).to(device)
         ids, mask = (t.to(device) for t in left_padded())
-        fg = {v: FastGenerator(model, max_batch=4, max_len=32, **{option: v}) for v in values}
+        fg = {v: FastGenerator(model, max_batch=4, max_len=32, **fixed, **{option: v}) for v in values}
+        if fixed.get("linear") == "triton" and "triton" in values and option == "attention":  # RoPE in the attention kernel
+            assert fg["triton"].info()["attention_rope"] == fgm.ATTENTION_ROPE, fg["triton"].info()
         assert all(fg[v].info()[option] == v for v in values), [fg[v].info() for v in values]
         for rows in (slice(0, 4), slice(1, 3)):
             got, want = (fast(fg[v], ids[rows], mask[rows], eos=-1, greedy=True) for v in values)
@@ -130,9 +133,9 @@ def check_rope_in_attention_equals_separate_ops(device: str) -> str:
     steps it replaces: the parts summed and cast, rotate_half RoPE on q and k, ``index_copy_`` of
     k and v at the column, ``decode_attention``. Parts of the cache dtype (one) and fp32 partials
     (three); every split count; the written column equals, no other column changes; then
-    FastGenerators with the separate ops decode as with SDPA (and with it, the default, in
-    ``check_fast_generator_triton_equals_sdpa``). ``decode_attention_rope_pdl`` gives the same
-    output and cache bit for bit, eagerly and compiled."""
+    FastGenerators with the split-K linears decode with it (their default) as with SDPA (with
+    cuBLAS's linears, the separate ops: ``check_fast_generator_triton_equals_sdpa``).
+    ``decode_attention_rope_pdl`` gives the same output and cache bit for bit, eagerly and compiled."""
     import tasks.ppo.fast_generate as fgm
     from tasks.ppo.decode_attention import decode_attention
 
@@ -174,12 +177,8 @@ def check_rope_in_attention_equals_separate_ops(device: str) -> str:
                             assert torch.equal(call(parts, cos, sin, k_pdl, v_pdl, cols, bias, hd ** -0.5, n_kv * g), got), where
                             assert torch.equal(k_pdl, k_got) and torch.equal(v_pdl, v_got), where
                     n += 1
-    saved = fgm.ATTENTION_ROPE
-    try:
-        fgm.ATTENTION_ROPE = False  # the default is RoPE in the kernel: here the separate kernels, against SDPA
-        rollouts = fast_generators_decode_alike(device, "attention", ("triton", "sdpa"))
-    finally:
-        fgm.ATTENTION_ROPE = saved
+    assert fgm.ATTENTION_ROPE  # the default with the split-K linears (with cuBLAS's: the separate kernels, check above)
+    rollouts = fast_generators_decode_alike(device, "attention", ("triton", "sdpa"), linear="triton")
     return f"{n} steps equal, {rollouts}"
 
 

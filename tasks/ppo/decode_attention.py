@@ -10,7 +10,7 @@ H200 to read what the copy bandwidth reads in 16 (0.4b, batch 64, 256 columns: b
    without repeating K/V) and keeps the online-softmax state in fp32: running max ``m``, sum
    ``l`` and the unnormalised weighted sum of V. With one split it writes the output directly.
 2. ``_combine_kernel``, grid (b * n_kv,): merges the splits' states (log-sum-exp rescaling).
-3. ``_partial_rope_kernel`` (``decode_attention_rope``, FastGenerator's decode step by default):
+3. ``_partial_rope_kernel`` (``decode_attention_rope``, FastGenerator's with its split-K linears):
    ``_partial_kernel`` that starts from the step's packed q/k/v projection (the split-K linears'
    fp32 partials as they are): it sums them, applies RoPE to q and k, writes k and v into the
    cache column and attends, so RoPE and the two cache writes need no kernels of their own (the

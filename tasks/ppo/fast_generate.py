@@ -136,8 +136,9 @@ def pick_kernel(option: str, choice: str, device: torch.device) -> str:
 
 
 LINEAR_PDL = True  # the split-K linears as programmatic dependents where they can be (bench/decode_parts.py's 'nopdl' turns it off)
-ATTENTION_ROPE = True  # attention='triton': RoPE and the K/V cache writes of a decode step in its kernel, two kernels a layer fewer
-# (0.4b on an H100: 1.398 -> 1.363 ms; 'norope' in bench/decode_parts.py); not with Qwen3's q/k norms
+ATTENTION_ROPE = True  # attention='triton' with linear='triton': RoPE and the K/V cache writes of a decode step in the attention
+# kernel, two kernels a layer fewer (0.4b on an H100: 1.398 -> 1.363 ms; 'norope' in bench/decode_parts.py); not with Qwen3's
+# q/k norms, and not yet with cuBLAS's linears (it runs there, in the CPU tests, but was not timed on a GPU)
 ATTENTION_PDL = False  # with the PDL linears: that kernel launched as a programmatic dependent too ('apdl'; not measured yet)
 
 
@@ -388,7 +389,7 @@ class FastGenerator:
         self.dims = Dims(cfg.num_attention_heads, n_kv, head_dim, float(getattr(attn0, "scaling", head_dim ** -0.5)),
                          float(self.norm.variance_epsilon), pick_kernel("attention", attention, self.device),
                          pick_kernel("linear", linear, self.device))
-        if self.dims.attention == "triton" and ATTENTION_ROPE and not hasattr(attn0, "q_norm"):  # Qwen3's q/k norms: separate kernels
+        if self.dims.attention == self.dims.linear == "triton" and ATTENTION_ROPE and not hasattr(attn0, "q_norm"):
             self.dims = self.dims._replace(rope_in_attention=True)
         self.act = self.layers[0].mlp.act_fn
 
