@@ -43,6 +43,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from tasks.ppo.decode_linear import pdl_capable
+
 TILE_BYTES = 16384  # one K (or V) tile: 128 cache columns at head_dim 64 in bf16, 64 at head_dim 128 (64 columns
 # always before 2026-12-06: the 0.4b decode step 1.05x slower on an H100, bench/RESULTS.md)
 BLOCK_N: int | None = None  # cache columns per tile; None: from TILE_BYTES (bench/decode_parts.py sets it to sweep)
@@ -269,11 +271,16 @@ def decode_attention_rope(qkv: Tensor, cos: Tensor, sin: Tensor, kc: Tensor, vc:
     whose sum over the parts, cast to the cache dtype, is q | k | v before RoPE (fast_generate's
     ``_linear_parts``); cos, sin (b, hd): the rows' rotary tables at this step. Writes kc / vc at
     ``col`` as ``index_copy_`` of the rotated k and of v would; -> (b, n_kv, g, hd)."""
+    return _attention(None, kc, vc, bias, scale, num_splits, rope=_rope_args(qkv, cos, sin, kc, col, n_heads))
+
+
+def _rope_args(qkv: Tensor, cos: Tensor, sin: Tensor, kc: Tensor, col: Tensor, n_heads: int) -> tuple:
+    """``_attention``'s ``rope`` (qkv, cos, sin, col, g) for the RoPE ops, their inputs checked."""
     b, n_kv, L, hd = kc.shape
     assert qkv.shape == (qkv.shape[0], b, (n_heads + 2 * n_kv) * hd) and cos.shape == sin.shape == (b, hd), (qkv.shape, cos.shape, kc.shape)
     assert qkv.stride(-1) == 1 and cos.stride(-1) == 1 and sin.stride(1) == cos.stride(1) and cos.stride(0) == sin.stride(0)
     assert hd % 2 == 0 and col.numel() == 1, (hd, col.shape)
-    return _attention(None, kc, vc, bias, scale, num_splits, rope=(qkv, cos, sin, col, n_heads // n_kv))
+    return qkv, cos, sin, col, n_heads // n_kv
 
 
 @torch.library.custom_op("rlhf::decode_attention_rope_pdl", mutates_args={"kc", "vc"})
@@ -282,18 +289,13 @@ def decode_attention_rope_pdl(qkv: Tensor, cos: Tensor, sin: Tensor, kc: Tensor,
     """``decode_attention_rope`` launched as a programmatic dependent (CUDA sm90+; a plain launch
     elsewhere): an opaque op to torch.compile, as tasks/ppo/decode_linear.py's
     ``decode_linear_partials_pdl`` (a user kernel's launch cannot carry the attribute there)."""
-    return _attention(None, kc, vc, bias, scale, num_splits, rope=(qkv, cos, sin, col, n_heads // kc.shape[1]), pdl=pdl_capable(kc.device))
+    return _attention(None, kc, vc, bias, scale, num_splits, rope=_rope_args(qkv, cos, sin, kc, col, n_heads), pdl=pdl_capable(kc.device))
 
 
 @decode_attention_rope_pdl.register_fake
 def _(qkv, cos, sin, kc, vc, col, bias, scale, n_heads, num_splits=0):
     b, n_kv, _, hd = kc.shape
     return kc.new_empty((b, n_kv, n_heads // n_kv, hd))
-
-
-def pdl_capable(device: torch.device) -> bool:
-    """Programmatic dependent launch (``griddepcontrol``): a CUDA device of sm90+, not Triton's interpreter."""
-    return device.type == "cuda" and not INTERPRETED and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def _attention(q: Tensor | None, kc: Tensor, vc: Tensor, bias: Tensor, scale: float, num_splits: int, rope: tuple | None = None,
