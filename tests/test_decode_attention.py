@@ -128,8 +128,8 @@ def check_fast_generator_triton_equals_sdpa(device: str) -> str:
 def check_rope_in_attention_equals_separate_ops(device: str) -> str:
     """``decode_attention_rope`` (RoPE and the cache writes in the kernel) against the separate
     steps it replaces: the parts summed and cast, rotate_half RoPE on q and k, ``index_copy_`` of
-    k and v at the column, ``decode_attention``. Parts of the cache dtype (one) and fp32 partials
-    (three); every split count; the written column equals, no other column changes; then
+    k and v at the column, ``decode_attention`` (the columns after the new one masked, as a decode
+    step has them). Parts of the cache dtype (one) and fp32 partials (three); every split count; the written column equals, no other column changes; then
     FastGenerators with the split-K linears decode with it (their default) as with SDPA (with
     cuBLAS's linears, the separate ops: ``check_fast_generator_triton_equals_sdpa``).
     ``decode_attention_rope_pdl`` gives the same output and cache bit for bit, eagerly and compiled."""
@@ -144,7 +144,8 @@ def check_rope_in_attention_equals_separate_ops(device: str) -> str:
         for b, n_kv, g, hd, L in CASES[:5]:
             _, kc, vc, bias = inputs(b, n_kv, g, hd, L, dtype, device, seed=3)
             col = int(torch.randint(0, L, (1,), generator=gen))
-            bias[:, :, :, col] = 0.0  # the new column is visible, as the decode step makes it
+            bias[:, :, :, col] = 0.0  # the new column is visible and the ones after it are not, as the decode step makes them
+            bias[:, :, :, col + 1:] = torch.finfo(dtype).min
             cos, sin = (torch.randn(b, hd, generator=gen).to(device, dtype) for _ in range(2))
             n_out = (n_kv * g + 2 * n_kv) * hd
             # multiples of 1/32 below 2: their fp32 sum is exact in any order and a bfloat16
