@@ -210,9 +210,10 @@ def decode_step_numbers(fg, prompts, attn, kw, a) -> dict:
     out = {"graph_replay_ms": ms, "floor_ms_at_measured_copy_bw": floor_ms, "bytes_read": weight_bytes + cache_bytes,
            "floor_ms_visible_columns_only": floor_visible_ms, "visible_cache_fraction": visible}
     if a.profile:
-        sample = lambda logits: logits.argmax(-1)  # noqa: E731
+        from tasks.ppo.fast_generate import GREEDY
+
         fg._reset(B, attn, PAD)
-        out["top_kernels_eager_step"] = profile_top(lambda: fg._decode(B, sample), 8, a.profile_rows)
+        out["top_kernels_eager_step"] = profile_top(lambda: fg._decode(B, GREEDY), 8, a.profile_rows)
     return out
 
 

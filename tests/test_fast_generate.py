@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from tasks.ppo.fast_generate import FastGenerator
+from tasks.ppo.fast_generate import GREEDY, FastGenerator, _record
 from tasks.ppo.generation import generate, position_ids_from_mask
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -111,18 +111,20 @@ def test_logits_match_the_model_forward(setup):
     seq = fast(fg, ids, mask, eos=-1, greedy=True).sequences
     b, P = ids.shape
     full = torch.cat([mask, torch.ones_like(seq[:, P:])], 1)
-    got = []
+    got, finish = [], fg._decode_finish
 
-    def record(logits, s):
-        got.append(logits.clone())
-        return seq[:, P + s]
+    def record(w, *rest):  # a greedy step's end sees its logits
+        got.append(w.clone())
+        finish(w, *rest)
 
+    fg._decode_finish = record
     with torch.no_grad():
         want = model(input_ids=seq, attention_mask=full, position_ids=position_ids_from_mask(full)).logits
         fg._reset(b, mask)
-        fg._emit(b, record(fg._prefill(ids, mask), 0))
+        got.append(fg._prefill(ids, mask))
+        _record(seq[:, P], *fg._state(b))
         for s in range(1, N):
-            fg._decode(b, lambda logits, s=s: record(logits, s))
+            fg._decode(b, GREEDY)  # greedy, as ``seq`` was made: the tokens fed are seq's
     assert len(got) == N
     for s, logits in enumerate(got):
         torch.testing.assert_close(logits, want[:, P - 1 + s], rtol=1e-4, atol=1e-4, msg=f"step {s}")
@@ -212,7 +214,7 @@ def test_a_new_graph_after_a_rollout_to_the_last_cache_column_stays_inside_the_c
     else:  # what _graph's warm-up and capture run (CUDA only), eagerly: three steps from _reset
         fg._reset(4)
         for _ in range(3):
-            fg._decode(4, lambda logits: logits.argmax(-1))
+            fg._decode(4, GREEDY)
         assert int(fg._pos[:4].max()) == 3
 
 

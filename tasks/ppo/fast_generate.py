@@ -11,11 +11,15 @@ Here a decode step is three parts, all captured together in one ``torch.cuda.CUD
    split-K Triton kernel that never reads the masked columns, ``tasks/ppo/decode_attention.py``,
    not yet measured on a GPU); on CUDA ``torch.compile``d, which fuses the norms, RoPE, the
    cache write and SwiGLU around the matmuls;
-2. sampling with ``generation.sample_next`` (temperature, top-k, top-p, the exponential race
+2. sampling as ``generation.sample_next`` does it (temperature, top-k, top-p, the exponential race
    that ``torch.multinomial`` uses) on a generator registered with the graph, so a seeded rollout
    draws the same numbers as the plain loop;
 3. bookkeeping on device: pad after the stop token (any of the stop ids), the per-row finished
    mask, response and action-mask columns, next position and column.
+
+Compiled, the parts outside the layers are compiled too (the embedding and rotary tables, the
+final norm and head, the sampler's probabilities, its pick and the bookkeeping; only the random
+draw stays eager, for the plain loop's numbers): a few kernels a step instead of ~36 eager ops.
 
 The host asks "how many rows are still going?" only every ``check_every`` steps (one sync); the
 tokens do not depend on it, only how many wasted steps follow the last EOS.
@@ -55,7 +59,7 @@ from torch import Tensor
 
 from tasks.common.model import allow_recompiles
 from tasks.ppo.config import DECODE_KERNELS, FAST_GENERATE_STRATEGIES
-from tasks.ppo.generation import Rollout, _unwrap, position_ids_from_mask, sample_next, stop_ids
+from tasks.ppo.generation import Rollout, _unwrap, check_temperature, position_ids_from_mask, sample_next, sample_probs, stop_ids
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -139,6 +143,8 @@ LINEAR_PDL = True  # the split-K linears as programmatic dependents where they c
 ATTENTION_ROPE = True  # attention='triton' with linear='triton': RoPE and the K/V cache writes of a decode step in the attention
 # kernel, two kernels a layer fewer (0.4b on an H100: 1.398 -> 1.363 ms; 'norope' in bench/decode_parts.py); not with Qwen3's
 # q/k norms, and not yet with cuBLAS's linears (it runs there, in the CPU tests, but was not timed on a GPU)
+ATTENTION_ROPE_CUBLAS = False  # ... with cuBLAS's linears too (the product as one part; 'rope' in bench/decode_parts.py)
+COMPILED_ENDS = True  # the decode step's parts outside the layers compiled too ('eagerends' in bench/decode_parts.py: eager)
 ATTENTION_PDL = False  # with the PDL linears: that kernel launched as a programmatic dependent too ('apdl'; not measured yet)
 
 
@@ -160,6 +166,18 @@ class Dims(NamedTuple):
     linear: str = "cublas"  # the decode step's linears: 'cublas' (F.linear) or 'triton' (tasks/ppo/decode_linear.py)
     pdl: bool = False  # the split-K linears launched as programmatic dependents (``decode_linear_partials_pdl``; compiled, sm90+)
     rope_in_attention: bool = False  # decode: RoPE and the K/V cache writes inside the Triton attention (``decode_attention_rope``)
+
+
+class Sampling(NamedTuple):
+    """``generate``'s sampling settings (``sample_next``'s) and the generator it draws from."""
+    temperature: float
+    top_k: int
+    top_p: float
+    greedy: bool
+    rng: torch.Generator | None
+
+
+GREEDY = Sampling(1.0, 0, 1.0, True, None)
 
 
 def _rms(x: Tensor, w: Tensor, eps: float) -> Tensor:
@@ -272,17 +290,50 @@ def _mlp(x: Tensor, w: tuple, d: Dims, act: Callable, decode: bool) -> tuple[Ten
 
 def _decoder(ids: Tensor, pos: Tensor, cols: Tensor, mask: Tensor, embed: Tensor, norm: Tensor, head: Tensor, head_bias: Tensor | None,
              cos_table: Tensor, sin_table: Tensor, k_caches: list, v_caches: list, layers: list, d: Dims, act: Callable,
-             dtype: torch.dtype, layer_fn: Callable = _layer) -> Tensor:
-    """The decoder over T new tokens per row (``_layer`` for each layer, ``layer_fn`` being it or
-    its compiled graph), the final norm and the head: ids, pos (b, T) -> logits of the last
-    position (b, V)."""
-    x = F.embedding(ids, embed).to(dtype)
-    cos, sin = cos_table[pos][:, None], sin_table[pos][:, None]
+             dtype: torch.dtype, fns: tuple[Callable, Callable, Callable] | None = None) -> Tensor:
+    """The decoder over T new tokens per row, the final norm and the head: ids, pos (b, T) ->
+    logits of the last position (b, V). ``fns``: (``_inputs``, ``_layer``, ``_head``), each as it
+    is (the default) or its compiled graph."""
+    inputs_fn, layer_fn, head_fn = fns or (_inputs, _layer, _head)
+    x, cos, sin = inputs_fn(ids, pos, embed, cos_table, sin_table, dtype)
     delta = None
     for kc, vc, w in zip(k_caches, v_caches, layers):
         x, delta = layer_fn(x, delta, kc, vc, cols, mask, cos, sin, w, d, act)
-    x = x[:, -1] + delta[:, :, -1].sum(0).to(dtype)
-    return F.linear(_rms(x, norm, d.eps), head, head_bias)
+    return head_fn(x, delta, norm, head, head_bias, d.eps)
+
+
+def _inputs(ids: Tensor, pos: Tensor, embed: Tensor, cos_table: Tensor, sin_table: Tensor, dtype: torch.dtype) -> tuple:
+    """The decoder's inputs: the tokens' embeddings (b, T, dm) and the rows' rotary tables at ``pos`` (b, 1, T, hd)."""
+    return F.embedding(ids, embed).to(dtype), cos_table[pos][:, None], sin_table[pos][:, None]
+
+
+def _head(x: Tensor, delta: Tensor, norm: Tensor, head: Tensor, head_bias: Tensor | None, eps: float) -> Tensor:
+    """The last position's residual sum (``_layer``'s (x, delta)), the final RMSNorm and the head -> logits (b, V)."""
+    x = x[:, -1] + delta[:, :, -1].sum(0).to(x.dtype)
+    return F.linear(_rms(x, norm, eps), head, head_bias)
+
+
+def _record(token: Tensor, fin: Tensor, resp: Tensor, act: Tensor, tok: Tensor, step: Tensor, stop: Tensor, pad: Tensor) -> None:
+    """The sampled ``token`` (b,) as response column ``step``: pad after a stop token, the action
+    mask, the finished flags (any of the ``stop`` ids); it is the next step's input ``tok``."""
+    token = torch.where(fin, pad, token)
+    resp.index_copy_(1, step, token[:, None])
+    act.index_copy_(1, step, (~fin).long()[:, None])
+    fin |= (token[:, None] == stop).any(-1)
+    tok.copy_(token)
+    step += 1
+
+
+def _finish_step(w: Tensor, q: Tensor | None, rows: Tensor | None, fin: Tensor, resp: Tensor, act: Tensor, tok: Tensor,
+                 step: Tensor, stop: Tensor, pad: Tensor, pos: Tensor, col: Tensor) -> None:
+    """The end of a decode step: the token of each slot, ``argmax(w / q)`` (``sample_next``'s
+    exponential race, ``w`` its probabilities and ``q`` its Exp(1) draws) or ``argmax(w)``
+    (greedy, ``q`` None), taken at ``rows`` (the slots' batch rows; None: all), recorded
+    (``_record``), the next position and column. One function, so that compiled it is a few kernels."""
+    token = (w / q).argmax(-1) if q is not None else w.argmax(-1)
+    _record(token if rows is None else token.index_select(0, rows), fin, resp, act, tok, step, stop, pad)
+    pos += 1
+    col += 1
 
 
 # ----------------------------------------------------------------------------- weights
@@ -389,7 +440,8 @@ class FastGenerator:
         self.dims = Dims(cfg.num_attention_heads, n_kv, head_dim, float(getattr(attn0, "scaling", head_dim ** -0.5)),
                          float(self.norm.variance_epsilon), pick_kernel("attention", attention, self.device),
                          pick_kernel("linear", linear, self.device))
-        if self.dims.attention == self.dims.linear == "triton" and ATTENTION_ROPE and not hasattr(attn0, "q_norm"):
+        if (self.dims.attention == "triton" and ATTENTION_ROPE and (self.dims.linear == "triton" or ATTENTION_ROPE_CUBLAS)
+                and not hasattr(attn0, "q_norm")):
             self.dims = self.dims._replace(rope_in_attention=True)
         self.act = self.layers[0].mlp.act_fn
 
@@ -433,8 +485,15 @@ class FastGenerator:
             kw = dict(fullgraph=True, options={"triton.enable_pdl": True})
         if want_compile:
             allow_recompiles()  # the compacted batch sizes, dtypes, split counts: more than dynamo's 8 versions
-        self._decode_layer = torch.compile(_layer, **kw) if want_compile and compile_scope == "layer" else _layer
-        self._decode_forward = torch.compile(_decoder, **kw) if want_compile and compile_scope == "forward" else _decoder
+        compiled = lambda f, scope=None: (torch.compile(f, **kw) if want_compile and scope in (None, compile_scope)  # noqa: E731
+                                          and (COMPILED_ENDS or f in (_layer, _decoder)) else f)
+        # a decode step's parts: the decoder's (each layer, and its inputs and head apart, or as one
+        # graph), then sampling, with its random draw left eager between them (the plain loop's
+        # numbers), and the step's bookkeeping: compiled, the step outside the layers is a few
+        # kernels, not the ~36 of eager ops (0.4b on an H100: see bench/RESULTS.md, seventh session)
+        self._decode_fns = tuple(compiled(f, "layer") for f in (_inputs, _layer, _head))
+        self._decode_forward = compiled(_decoder, "forward")
+        self._decode_probs, self._decode_finish = compiled(sample_probs), compiled(_finish_step)
 
     # ------------------------------------------------------------------ weights
 
@@ -500,12 +559,14 @@ class FastGenerator:
 
     # ------------------------------------------------------------------ steps
 
-    def _forward(self, ids: Tensor, pos: Tensor, cols: Tensor, mask: Tensor, layer_fn, forward_fn=None) -> Tensor:
-        """ids, pos (b, T) -> logits of the last position (b, V); K/V written at ``cols``."""
+    def _forward(self, ids: Tensor, pos: Tensor, cols: Tensor, mask: Tensor, decode: bool) -> Tensor:
+        """ids, pos (b, T) -> logits of the last position (b, V); K/V written at ``cols``; ``decode``:
+        a decode step's compiled parts (the prefill runs eagerly, once a rollout)."""
         b = ids.shape[0]
-        return (forward_fn or _decoder)(ids, pos, cols, mask, self._w_embed, self._w_norm, self._w_head, self._b_head, self.cos,
-                                        self.sin, [c[:b] for c in self.k_cache], [c[:b] for c in self.v_cache], self._w_layers,
-                                        self.dims, self.act, self.dtype, layer_fn)
+        return (self._decode_forward if decode else _decoder)(
+            ids, pos, cols, mask, self._w_embed, self._w_norm, self._w_head, self._b_head, self.cos, self.sin,
+            [c[:b] for c in self.k_cache], [c[:b] for c in self.v_cache], self._w_layers, self.dims, self.act, self.dtype,
+            self._decode_fns if decode else None)
 
     def _prefill(self, input_ids: Tensor, attn: Tensor) -> Tensor:
         """The prompts (b, P) into cache columns 0..P-1 (eager: once a rollout) -> next-token logits (b, V)."""
@@ -513,34 +574,27 @@ class FastGenerator:
         cols = torch.arange(P, device=self.device)
         causal = cols[None, :] <= cols[:, None]
         mask = (causal[None] & attn.bool()[:, None, :]) | torch.eye(P, dtype=torch.bool, device=self.device)
-        return self._forward(input_ids, position_ids_from_mask(attn), cols, mask[:, None], _layer)
+        return self._forward(input_ids, position_ids_from_mask(attn), cols, mask[:, None], decode=False)
 
-    def _emit(self, b: int, token: Tensor) -> None:
-        """Record the sampled ``token`` (b,) as response column ``_step``: pad after a stop token,
-        action mask, finished flags; it is the next step's input."""
-        fin = self._finished[:b]
-        token = torch.where(fin, self._pad, token)
-        self._resp[:b].index_copy_(1, self._step, token[:, None])
-        self._act[:b].index_copy_(1, self._step, (~fin).long()[:, None])
-        fin |= (token[:, None] == self._stop).any(-1)
-        self._tok[:b].copy_(token)
-        self._step += 1
+    def _state(self, b: int) -> tuple:
+        """``_record``'s buffers of the first ``b`` state slots."""
+        return self._finished[:b], self._resp[:b], self._act[:b], self._tok[:b], self._step, self._stop, self._pad
 
-    def _decode(self, b: int, sample: Callable[[Tensor], Tensor], n: int | None = None) -> None:
+    def _decode(self, b: int, s: Sampling, n: int | None = None) -> None:
         """One decode step from the state buffers (what the graph holds) of a ``b``-row rollout,
-        its first ``n`` state slots decoded (default all; fewer after a compaction)."""
+        its first ``n`` state slots decoded (default all; fewer after a compaction), sampled as ``s`` says."""
         n = b if n is None else n
         bias = self._bias[:n]
         bias.index_fill_(-1, self._col, 0.0)  # the new token's own column becomes visible
-        logits = self._forward(self._tok[:n, None], self._pos[:n, None], self._col, bias, self._decode_layer, self._decode_forward)
+        logits = self._forward(self._tok[:n, None], self._pos[:n, None], self._col, bias, decode=True)
+        rows = None
         if n < b:  # the sampler sees every row in its own place: the plain loop's random numbers
             rows = self._row[:n]
-            token = sample(self._logits[:b].index_copy_(0, rows, logits)).index_select(0, rows)
-        else:
-            token = sample(logits)
-        self._emit(n, token)
-        self._pos[:n] += 1
-        self._col += 1
+            logits = self._logits[:b].index_copy_(0, rows, logits)
+        # sample_next's steps, its random draw between the compiled parts (the generator's numbers, as the plain loop's)
+        w = logits if s.greedy else self._decode_probs(logits, s.temperature, s.top_k, s.top_p)
+        q = None if s.greedy else torch.empty_like(w).exponential_(1.0, generator=s.rng)
+        self._decode_finish(w, q, rows, *self._state(n), self._pos[:n, None], self._col)
 
     def _sizes(self, b: int) -> list[int]:
         """The batch sizes a ``b``-row rollout decodes at: b, then its halvings down to an eighth (with ``compact``)."""
@@ -583,22 +637,22 @@ class FastGenerator:
         self._act[:b].zero_()
         self._row[:b] = torch.arange(b, device=self.device)
 
-    def _graph(self, b: int, n: int, key: tuple, sample: Callable[[Tensor], Tensor]) -> torch.cuda.CUDAGraph:
-        """The decode step of a ``b``-row rollout over its first ``n`` slots, captured (before a rollout:
-        the warm-up steps overwrite the state)."""
-        key = (*key, n)
+    def _graph(self, b: int, n: int, s: Sampling) -> torch.cuda.CUDAGraph:
+        """The decode step of a ``b``-row rollout over its first ``n`` slots sampled as ``s`` says,
+        captured (before a rollout: the warm-up steps overwrite the state)."""
+        key = (b, *s[:4], n)
         if key not in self._graphs:
             self._reset(b)  # warm-up steps write columns 0, 1, 2: in range whatever came before
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # outside capture: compilation, cuBLAS handles, workspaces
                 for _ in range(2):
-                    self._decode(b, sample, n)
+                    self._decode(b, s, n)
             torch.cuda.current_stream().wait_stream(side)
             g = torch.cuda.CUDAGraph()
             g.register_generator_state(self._rng)
             with torch.cuda.graph(g, pool=self._pool):
-                self._decode(b, sample, n)
+                self._decode(b, s, n)
             self._pool = g.pool()
             self._graphs[key] = g
         return self._graphs[key]
@@ -629,20 +683,19 @@ class FastGenerator:
         self.refresh_weights()
         self._set_stops(stop_ids(eos_token_id))
         self._pad.fill_(pad_token_id)
-        graphs, source, rng, sizes = None, generator, generator, self._sizes(b)
+        graphs, source, sizes = None, generator, self._sizes(b)
+        s = Sampling(float(temperature), int(top_k), float(top_p), bool(greedy), self._rng if self.use_cuda_graph else generator)
+        if not s.greedy:
+            check_temperature(s.temperature)  # before any graph is captured
         if self.use_cuda_graph:
-            rng = self._rng
-            sample = lambda logits: sample_next(logits, temperature, top_k, top_p, rng, greedy)  # noqa: E731
-            key = (b, float(temperature), int(top_k), float(top_p), bool(greedy))
-            graphs = {n: self._graph(b, n, key, sample) for n in sizes}
+            graphs = {n: self._graph(b, n, s) for n in sizes}
             if source is None:
                 source = torch.cuda.default_generators[self.device.index if self.device.index is not None else torch.cuda.current_device()]
-            rng.set_state(source.get_state())  # after capture: its warm-up steps drew numbers too
-        else:
-            sample = lambda logits: sample_next(logits, temperature, top_k, top_p, rng, greedy)  # noqa: E731
+            s.rng.set_state(source.get_state())  # after capture: its warm-up steps drew numbers too
 
         self._reset(b, attn, pad_token_id)
-        self._emit(b, sample(self._prefill(input_ids, attn)))
+        logits = self._prefill(input_ids, attn)
+        _record(sample_next(logits, s.temperature, s.top_k, s.top_p, s.rng, s.greedy), *self._state(b))
         n, self.compactions = b, []
         for step in range(1, N):
             if step % self.check_every == 0:
@@ -657,9 +710,9 @@ class FastGenerator:
             if graphs is not None:
                 graphs[n].replay()
             else:
-                self._decode(b, sample, n)
+                self._decode(b, s, n)
         if graphs is not None:
-            source.set_state(rng.get_state())
+            source.set_state(s.rng.get_state())
 
         rows = self._row[:b]  # slot i holds batch row rows[i]: results back in row order
         in_row_order = lambda t: torch.empty_like(t).index_copy_(0, rows, t)  # noqa: E731
@@ -676,6 +729,6 @@ class FastGenerator:
         'attention_rope', 'linear', 'linear_pdl', 'compact'}."""
         return {"cuda_graphs": self.use_cuda_graph, "graph_batch_sizes": sorted({k[0] for k in self._graphs}), "compact": self.compact,
                 "weight_copy_gib": self.weight_copy_bytes() / 2**30,
-                "compiled": self._decode_layer is not _layer or self._decode_forward is not _decoder,
+                "compiled": self._decode_fns[1] is not _layer or self._decode_forward is not _decoder,
                 "attention": self.dims.attention, "attention_rope": self.dims.rope_in_attention, "linear": self.dims.linear,
                 "linear_pdl": self.dims.pdl}

@@ -65,8 +65,19 @@ def sample_next(
     """
     if greedy:
         return logits.argmax(-1)
+    p = sample_probs(logits, temperature, top_k, top_p)
+    return (p / torch.empty_like(p).exponential_(1.0, generator=generator)).argmax(-1)
+
+
+def check_temperature(temperature: float) -> None:
     if temperature <= 0:
         raise ValueError(f"sample_next: temperature ({temperature}) must be > 0; use greedy=True for argmax")
+
+
+def sample_probs(logits: Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> Tensor:
+    """``sample_next``'s distribution: (B, V) logits -> (B, V) fp32 probabilities after the
+    temperature, top-k and top-p (no random numbers: a compiled decode step fuses it)."""
+    check_temperature(temperature)
     x = logits.float() / temperature
     if 0 < top_k < x.shape[-1]:
         kth = torch.topk(x, top_k, dim=-1).values[:, -1:]
@@ -78,8 +89,7 @@ def sample_next(
         drop_sorted = (probs.cumsum(-1) - probs) >= top_p
         drop_sorted[:, 0] = False
         x = x.masked_fill(torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted), float("-inf"))
-    p = torch.softmax(x, -1)
-    return (p / torch.empty_like(p).exponential_(1.0, generator=generator)).argmax(-1)
+    return torch.softmax(x, -1)
 
 
 def _unwrap(model):
