@@ -129,10 +129,12 @@ def check_rope_in_attention_equals_separate_ops(device: str) -> str:
     """``decode_attention_rope`` (RoPE and the cache writes in the kernel) against the separate
     steps it replaces: the parts summed and cast, rotate_half RoPE on q and k, ``index_copy_`` of
     k and v at the column, ``decode_attention`` (the columns after the new one masked, as a decode
-    step has them). Parts of the cache dtype (one) and fp32 partials (three); every split count; the written column equals, no other column changes; then
-    FastGenerators with the split-K linears decode with it (their default) as with SDPA (with
-    cuBLAS's linears, the separate ops: ``check_fast_generator_triton_equals_sdpa``).
-    ``decode_attention_rope_pdl`` gives the same output and cache bit for bit, eagerly and compiled."""
+    step has them). Parts of the cache dtype (one) and fp32 partials (three); every split count;
+    the written column equals, no other column changes. ``decode_attention_rope_pdl`` gives the
+    same output and cache bit for bit, eagerly and compiled. Then FastGenerators decode with it
+    (their default with either linears; with cuBLAS's: ``check_fast_generator_triton_equals_sdpa``)
+    as with SDPA, with the split-K linears, and with the separate ops (``ATTENTION_ROPE`` off, as
+    for Qwen3's q/k norms) too."""
     import tasks.ppo.fast_generate as fgm
     from tasks.ppo.decode_attention import decode_attention
 
@@ -178,11 +180,17 @@ def check_rope_in_attention_equals_separate_ops(device: str) -> str:
     from tasks.ppo.fast_generate import FastGenerator
     from tests.test_fast_generate import tiny
 
-    model = tiny("llama").to(device)  # the default with the split-K linears; with cuBLAS's, the separate kernels (check above)
+    model = tiny("llama").to(device)
     assert [FastGenerator(model, max_batch=4, max_len=32, attention="triton", linear=lin).info()["attention_rope"]
-            for lin in ("triton", "cublas")] == [True, False]
+            for lin in ("triton", "cublas")] == [True, True]
     rollouts = fast_generators_decode_alike(device, "attention", ("triton", "sdpa"), linear="triton")
-    return f"{n} steps equal, {rollouts}"
+    fgm.ATTENTION_ROPE = False
+    try:
+        assert not FastGenerator(model, max_batch=4, max_len=32, attention="triton").info()["attention_rope"]
+        separate = fast_generators_decode_alike(device, "attention", ("triton", "sdpa"))
+    finally:
+        fgm.ATTENTION_ROPE = True
+    return f"{n} steps equal, {rollouts}, {separate} (separate ops)"
 
 
 def _run(check) -> str:
@@ -262,4 +270,4 @@ def test_triton_kernels_without_the_triton_package_are_refused_with_the_package_
 
 
 def test_rope_and_cache_writes_in_the_attention_kernel_equal_the_separate_ops():
-    assert _run(check_rope_in_attention_equals_separate_ops) == f"{2 * 5 * 2 * 3} steps equal, 4 rollouts equal"
+    assert _run(check_rope_in_attention_equals_separate_ops) == f"{2 * 5 * 2 * 3} steps equal, 4 rollouts equal, 4 rollouts equal (separate ops)"

@@ -10,11 +10,14 @@ H200 to read what the copy bandwidth reads in 16 (0.4b, batch 64, 256 columns: b
    without repeating K/V) and keeps the online-softmax state in fp32: running max ``m``, sum
    ``l`` and the unnormalised weighted sum of V. With one split it writes the output directly.
 2. ``_combine_kernel``, grid (b * n_kv,): merges the splits' states (log-sum-exp rescaling).
-3. ``_partial_rope_kernel`` (``decode_attention_rope``, FastGenerator's with its split-K linears):
-   ``_partial_kernel`` that starts from the step's packed q/k/v projection (the split-K linears'
-   fp32 partials as they are): it sums them, applies RoPE to q and k, writes k and v into the
-   cache column and attends, so RoPE and the two cache writes need no kernels of their own (the
-   0.4b decode step 1.398 -> 1.363 ms on an H100, bench/RESULTS.md, 2026-12-06, sixth session).
+3. ``_partial_rope_kernel`` (``decode_attention_rope``, FastGenerator's on models without q/k
+   norms): ``_partial_kernel`` that starts from the step's packed q/k/v projection (the split-K
+   linears' fp32 partials as they are, or cuBLAS's product as one part): it sums them, applies
+   RoPE to q and k, writes k and v into the cache column and attends, so RoPE and the two cache
+   writes need no kernels of their own (the 0.4b decode step on an H100 1.398 -> 1.363 ms with the
+   split-K linears, 1.463 -> 1.407 with cuBLAS's; bench/RESULTS.md, sixth and seventh sessions);
+   with the split-K linears launched as a programmatic dependent (``decode_attention_rope_pdl``:
+   1.317 -> 1.289-1.292 ms). It reads no column after the step's (the future).
 
 Masked columns (bias at the dtype's minimum) are not loaded: their K/V loads are predicated off,
 so they cost no memory traffic and contribute exactly zero; late in a rollout most of a row is
@@ -54,7 +57,9 @@ PROGRAMS_PER_SM = 4  # enough programs in flight to keep the memory system busy
 NUM_WARPS, NUM_STAGES = 4, 2  # the partial kernel's launch, read at call time (bench/decode_parts.py sweeps them:
 # with 128-column tiles the fastest over 24 separate layer caches on an H100, 2026-12-06)
 KV_LOADS_BY_BIAS = True  # K/V loads predicated on the bias (a masked column is never read); False: on the split's
-# columns only (to the step's column with RoPE), so the loads need not wait for the bias (bench/decode_parts.py's 'kvall')
+# columns only (to the step's column with RoPE), so the loads need not wait for the bias ('kvall' in bench/decode_parts.py:
+# 0.4b on an H100 1.274 and 1.320 ms in two calls against 1.317 without, 1.280-1.281 against 1.289-1.292 with the PDL
+# attention: within the calls' spread, and it reads the left padding of shorter prompts: off)
 # Triton's interpreter (TRITON_INTERPRET=1, the CPU tests) multiplies bfloat16 bit patterns in
 # tl.dot (triton-lang/triton#11584, "not supported yet"): there the dot operands, already rounded
 # to the cache dtype, are widened to fp32 first, which gives the same products

@@ -140,12 +140,12 @@ def pick_kernel(option: str, choice: str, device: torch.device) -> str:
 
 
 LINEAR_PDL = True  # the split-K linears as programmatic dependents where they can be (bench/decode_parts.py's 'nopdl' turns it off)
-ATTENTION_ROPE = True  # attention='triton' with linear='triton': RoPE and the K/V cache writes of a decode step in the attention
-# kernel, two kernels a layer fewer (0.4b on an H100: 1.398 -> 1.363 ms; 'norope' in bench/decode_parts.py); not with Qwen3's
-# q/k norms, and not yet with cuBLAS's linears (it runs there, in the CPU tests, but was not timed on a GPU)
-ATTENTION_ROPE_CUBLAS = False  # ... with cuBLAS's linears too (the product as one part; 'rope' in bench/decode_parts.py)
-COMPILED_ENDS = True  # the decode step's parts outside the layers compiled too ('eagerends' in bench/decode_parts.py: eager)
-ATTENTION_PDL = False  # with the PDL linears: that kernel launched as a programmatic dependent too ('apdl'; not measured yet)
+# Bench switches (bench/decode_parts.py's step options), the measured choice by default (0.4b, H100, bench/RESULTS.md):
+ATTENTION_ROPE = True  # attention='triton': RoPE and the K/V cache writes of a decode step in the attention kernel, two
+# kernels a layer fewer (split-K linears 1.398 -> 1.363 ms, sixth session; cuBLAS's 1.463 -> 1.407, seventh; 'norope');
+# not with Qwen3's q/k norms
+COMPILED_ENDS = True  # the step's parts outside the layers compiled too (1.378 -> 1.317 ms, cuBLAS 1.523 -> 1.463; 'eagerends')
+ATTENTION_PDL = True  # with the PDL linears: that kernel launched as a programmatic dependent too (1.317 -> 1.289-1.292; 'noapdl')
 
 
 def _pdl_capable(device: torch.device) -> bool:
@@ -440,8 +440,7 @@ class FastGenerator:
         self.dims = Dims(cfg.num_attention_heads, n_kv, head_dim, float(getattr(attn0, "scaling", head_dim ** -0.5)),
                          float(self.norm.variance_epsilon), pick_kernel("attention", attention, self.device),
                          pick_kernel("linear", linear, self.device))
-        if (self.dims.attention == "triton" and ATTENTION_ROPE and (self.dims.linear == "triton" or ATTENTION_ROPE_CUBLAS)
-                and not hasattr(attn0, "q_norm")):
+        if self.dims.attention == "triton" and ATTENTION_ROPE and not hasattr(attn0, "q_norm"):
             self.dims = self.dims._replace(rope_in_attention=True)
         self.act = self.layers[0].mlp.act_fn
 
@@ -490,7 +489,7 @@ class FastGenerator:
         # a decode step's parts: the decoder's (each layer, and its inputs and head apart, or as one
         # graph), then sampling, with its random draw left eager between them (the plain loop's
         # numbers), and the step's bookkeeping: compiled, the step outside the layers is a few
-        # kernels, not the ~36 of eager ops (0.4b on an H100: see bench/RESULTS.md, seventh session)
+        # kernels, not the ~36 of eager ops
         self._decode_fns = tuple(compiled(f, "layer") for f in (_inputs, _layer, _head))
         self._decode_forward = compiled(_decoder, "forward")
         self._decode_probs, self._decode_finish = compiled(sample_probs), compiled(_finish_step)
