@@ -8,9 +8,9 @@ Here a decode step is three parts, all captured together in one ``torch.cuda.CUD
 1. the forward of one token per row: our own per-layer function (``_layer``) over packed
    weights — q/k/v as one matmul, gate/up as one — with K/V written into a preallocated cache
    and attention over all cache columns under an additive mask (SDPA; ``attention='triton'``: a
-   split-K Triton kernel that never reads the masked columns, ``tasks/ppo/decode_attention.py``,
-   not yet measured on a GPU); on CUDA ``torch.compile``d, which fuses the norms, RoPE, the
-   cache write and SwiGLU around the matmuls;
+   split-K Triton kernel that never reads the masked columns and also does RoPE and the cache
+   write, ``tasks/ppo/decode_attention.py``); on CUDA ``torch.compile``d, which fuses the norms,
+   RoPE, the cache write and SwiGLU around the matmuls;
 2. sampling as ``generation.sample_next`` does it (temperature, top-k, top-p, the exponential race
    that ``torch.multinomial`` uses) on a generator registered with the graph, so a seeded rollout
    draws the same numbers as the plain loop;
@@ -484,8 +484,13 @@ class FastGenerator:
             kw = dict(fullgraph=True, options={"triton.enable_pdl": True})
         if want_compile:
             allow_recompiles()  # the compacted batch sizes, dtypes, split counts: more than dynamo's 8 versions
-        compiled = lambda f, scope=None: (torch.compile(f, **kw) if want_compile and scope in (None, compile_scope)  # noqa: E731
-                                          and (COMPILED_ENDS or f in (_layer, _decoder)) else f)
+
+        def compiled(f: Callable, scope: str | None = None) -> Callable:
+            """``f`` compiled, if the generator compiles, ``scope`` (where given) is ``compile_scope`` and
+            ``f`` is a layer / the decoder or ``COMPILED_ENDS`` is on; else ``f`` itself."""
+            wanted = want_compile and scope in (None, compile_scope) and (COMPILED_ENDS or f in (_layer, _decoder))
+            return torch.compile(f, **kw) if wanted else f
+
         # a decode step's parts: the decoder's (each layer, and its inputs and head apart, or as one
         # graph), then sampling, with its random draw left eager between them (the plain loop's
         # numbers), and the step's bookkeeping: compiled, the step outside the layers is a few
