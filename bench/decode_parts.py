@@ -221,9 +221,7 @@ def step_variant(model, name: str, prompts, attn, a, gbps: float) -> dict:
     flags = launch(dict(LINEAR_PDL="nopdl" not in opts, ATTENTION_ROPE="norope" not in opts, ATTENTION_PDL="noapdl" not in opts,
                         COMPILED_ENDS="eagerends" not in opts), "fast_generate")  # norope: RoPE and the K/V cache writes in kernels of
     # their own, not in the Triton attention's; noapdl: that attention kernel launched plainly beside the PDL linears
-    # rope: RoPE in the attention with cuBLAS's linears too; kvall: the attention's K/V loads not waiting for the bias
-    kv = launch(dict(KV_LOADS_BY_BIAS="kvall" not in opts))
-    with launch(settings), pdl, tuned, flags, kv:
+    with launch(settings), pdl, tuned, flags:
         fg, r = time_fast(model, prompts, attn, kw, a, attention=attention,
                           compile_scope="forward" if "whole" in opts else "layer",
                           compile_mode="max-autotune-no-cudagraphs" if "autotune" in opts and DEV == "cuda" else None,
@@ -262,7 +260,7 @@ def main() -> None:
     ap.add_argument("--no-autotune", action="store_true", help="skip Inductor's max-autotune GEMMs")
     ap.add_argument("--steps", default="sdpa,triton,triton+autotune,triton+whole,triton+whole+autotune",
                     help="whole-step variants: an attention ('sdpa', 'triton') then +options: autotune (compile_mode "
-                    "max-autotune-no-cudagraphs), whole (compile_scope 'forward'), pdl (Inductor's kernels with programmatic dependent launch), nopdl (the split-K linears launched plainly, not as programmatic dependents), norope (RoPE and the cache writes in kernels of their own, not in the Triton attention's), noapdl (that kernel launched plainly, not as a programmatic dependent beside the PDL linears), eagerends (the step's parts outside the layers eager, as before 2026-12-07), kvall (the attention's K/V loads predicated on the split's columns, not on the bias), tlinear (the split-K Triton linears), tuned (them at the gemm part's fastest settings per shape), warpsN, stagesN, blockN, persmN "
+                    "max-autotune-no-cudagraphs), whole (compile_scope 'forward'), pdl (Inductor's kernels with programmatic dependent launch), nopdl (the split-K linears launched plainly, not as programmatic dependents), norope (RoPE and the cache writes in kernels of their own, not in the Triton attention's), noapdl (that kernel launched plainly, not as a programmatic dependent beside the PDL linears), eagerends (the step's parts outside the layers eager, as before 2026-12-07), tlinear (the split-K Triton linears), tuned (them at the gemm part's fastest settings per shape), warpsN, stagesN, blockN, persmN "
                     "(attention launch settings)")
     ap.add_argument("--profile-rows", type=int, default=24)
     a = ap.parse_args()

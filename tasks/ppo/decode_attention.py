@@ -56,10 +56,6 @@ SMS_IF_NOT_CUDA = 132  # an H200's SM count, for the split choice off CUDA (the 
 PROGRAMS_PER_SM = 4  # enough programs in flight to keep the memory system busy
 NUM_WARPS, NUM_STAGES = 4, 2  # the partial kernel's launch, read at call time (bench/decode_parts.py sweeps them:
 # with 128-column tiles the fastest over 24 separate layer caches on an H100, 2026-12-06)
-KV_LOADS_BY_BIAS = True  # K/V loads predicated on the bias (a masked column is never read); False: on the split's
-# columns only (to the step's column with RoPE), so the loads need not wait for the bias ('kvall' in bench/decode_parts.py:
-# 0.4b on an H100 1.274 and 1.320 ms in two calls against 1.317 without, 1.280-1.281 against 1.289-1.292 with the PDL
-# attention: within the calls' spread, and it reads the left padding of shorter prompts: off)
 # Triton's interpreter (TRITON_INTERPRET=1, the CPU tests) multiplies bfloat16 bit patterns in
 # tl.dot (triton-lang/triton#11584, "not supported yet"): there the dot operands, already rounded
 # to the cache dtype, are widened to fp32 first, which gives the same products
@@ -89,7 +85,7 @@ def _partial_kernel(Q, K, V, Bias, Out, Mx, Sm, Acc,
                     sq_b, sq_h, sq_g, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l, sb_b, sb_l, so_b, so_h, so_g,
                     n_kv, G, L, cols_per_split, scale: tl.constexpr, masked: tl.constexpr, HD: tl.constexpr,
                     G_PAD: tl.constexpr, HD_PAD: tl.constexpr, BLOCK: tl.constexpr, ONE_SPLIT: tl.constexpr,
-                    DOT_IN_F32: tl.constexpr, LOADS_BY_BIAS: tl.constexpr):
+                    DOT_IN_F32: tl.constexpr):
     """Softmax state of one (row, KV head) over one split of the cache columns: max ``Mx`` and
     sum ``Sm`` (b, n_kv, S, G) and unnormalised weighted V ``Acc`` (b, n_kv, S, G, HD), fp32,
     in base-2 units (exp2 is the hardware's); with ``ONE_SPLIT`` the normalised output instead.
@@ -103,7 +99,7 @@ def _partial_kernel(Q, K, V, Bias, Out, Mx, Sm, Acc,
                 mask=(offs_g < G)[:, None] & (offs_d < HD)[None, :], other=0.0)
     _attend(q, K + row * sk_b + head * sk_h, V + row * sv_b + head * sv_h, Bias + row * sb_b, Out + row * so_b + head * so_h,
             Mx, Sm, Acc, pair, split, sk_l, sv_l, sb_l, so_g, G, L, cols_per_split, scale, masked, HD, G_PAD, HD_PAD, BLOCK,
-            ONE_SPLIT, DOT_IN_F32, LOADS_BY_BIAS)
+            ONE_SPLIT, DOT_IN_F32)
 
 
 @triton.jit
@@ -111,7 +107,7 @@ def _partial_rope_kernel(QKV, Cos, Sin, Col, K, V, Bias, Out, Mx, Sm, Acc,
                          sp, sqkv_b, sc_b, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l, sb_b, sb_l, so_b, so_h, so_g,
                          n_kv, G, L, cols_per_split, scale: tl.constexpr, masked: tl.constexpr, HD: tl.constexpr,
                          G_PAD: tl.constexpr, HD_PAD: tl.constexpr, BLOCK: tl.constexpr, ONE_SPLIT: tl.constexpr,
-                         DOT_IN_F32: tl.constexpr, LOADS_BY_BIAS: tl.constexpr, PARTS: tl.constexpr, PDL: tl.constexpr):
+                         DOT_IN_F32: tl.constexpr, PARTS: tl.constexpr, PDL: tl.constexpr):
     """``_partial_kernel`` from the step's packed projection: q, k and v come as ``PARTS`` parts of
     ``QKV`` (parts, b, (n_kv G + 2 n_kv) HD) whose sum is it (the split-K linears' fp32 partials, or
     the product itself as one part). The program sums its group's queries and its head's k and v,
@@ -150,18 +146,16 @@ def _partial_rope_kernel(QKV, Cos, Sin, Col, K, V, Bias, Out, Mx, Sm, Acc,
     tl.debug_barrier()  # the block's own stores before its loads of the tiles
     stop = tl.minimum(tl.load(Col) + 1, L)  # the columns after this step's are the future: no row sees them
     _attend(q, k_base, v_base, Bias + row * sb_b, Out + row * so_b + head * so_h, Mx, Sm, Acc, pair, split,
-            sk_l, sv_l, sb_l, so_g, G, stop, cols_per_split, scale, masked, HD, G_PAD, HD_PAD, BLOCK, ONE_SPLIT, DOT_IN_F32,
-            LOADS_BY_BIAS)
+            sk_l, sv_l, sb_l, so_g, G, stop, cols_per_split, scale, masked, HD, G_PAD, HD_PAD, BLOCK, ONE_SPLIT, DOT_IN_F32)
 
 
 @triton.jit
 def _attend(q, k_base, v_base, bias_row, out_base, Mx, Sm, Acc, pair, split, sk_l, sv_l, sb_l, so_g, G, stop, cols_per_split,
             scale: tl.constexpr, masked: tl.constexpr, HD: tl.constexpr, G_PAD: tl.constexpr, HD_PAD: tl.constexpr,
-            BLOCK: tl.constexpr, ONE_SPLIT: tl.constexpr, DOT_IN_F32: tl.constexpr, LOADS_BY_BIAS: tl.constexpr):
+            BLOCK: tl.constexpr, ONE_SPLIT: tl.constexpr, DOT_IN_F32: tl.constexpr):
     """The online softmax of the group's queries ``q`` (G_PAD, HD_PAD) over this split's visible
     columns before ``stop`` of one (row, KV head)'s cache, and its state (or, with ``ONE_SPLIT``,
-    output) written. ``LOADS_BY_BIAS``: a column's K/V loaded only where its bias lets it be seen
-    (no traffic for masked columns, the loads wait for the bias's); else every column of the split."""
+    output) written."""
     offs_g, offs_d, offs_n = tl.arange(0, G_PAD), tl.arange(0, HD_PAD), tl.arange(0, BLOCK)
     g_ok, d_ok = offs_g < G, offs_d < HD
     if DOT_IN_F32:
@@ -176,9 +170,9 @@ def _attend(q, k_base, v_base, bias_row, out_base, Mx, Sm, Acc, pair, split, sk_
     for n0 in range(start, end, BLOCK):
         cols = n0 + offs_n
         bias = tl.load(bias_row + cols * sb_l, mask=cols < end, other=masked).to(tl.float32)
-        seen = bias > masked
-        load = seen if LOADS_BY_BIAS else cols < end
-        kt = tl.load(k_base + cols[None, :] * sk_l + offs_d[:, None], mask=load[None, :] & d_ok[:, None], other=0.0)
+        seen = bias > masked  # predicated K/V loads: a masked column is never read (loads on the split's columns
+        # only, not waiting for the bias, measured within noise on an H100: bench/RESULTS.md, seventh session, 'kvall')
+        kt = tl.load(k_base + cols[None, :] * sk_l + offs_d[:, None], mask=seen[None, :] & d_ok[:, None], other=0.0)
         if DOT_IN_F32:
             kt = kt.to(tl.float32)
         qk = tl.dot(q, kt, input_precision="ieee")  # (G_PAD, BLOCK), fp32 accumulation
@@ -187,7 +181,7 @@ def _attend(q, k_base, v_base, bias_row, out_base, Mx, Sm, Acc, pair, split, sk_
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a tile with nothing seen yet: no NaN
         p = tl.exp2(x - m_ref[:, None])
         alpha = tl.exp2(m - m_ref)
-        v = tl.load(v_base + cols[:, None] * sv_l + offs_d[None, :], mask=load[:, None] & d_ok[None, :], other=0.0)
+        v = tl.load(v_base + cols[:, None] * sv_l + offs_d[None, :], mask=seen[:, None] & d_ok[None, :], other=0.0)
         pv = p.to(v.dtype)  # probabilities in the cache dtype for the tensor cores, as flash attention
         if DOT_IN_F32:
             pv, v = pv.to(tl.float32), v.to(tl.float32)
@@ -341,7 +335,7 @@ def _attention(q: Tensor | None, kc: Tensor, vc: Tensor, bias: Tensor, scale: fl
     common = (kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2), bias.stride(0), bias.stride(3),
               out.stride(0), out.stride(1), out.stride(2), n_kv, g, L, cols_per_split, scale, masked)
     launch = dict(HD=hd, G_PAD=g_pad, HD_PAD=hd_pad, BLOCK=block, ONE_SPLIT=splits == 1, DOT_IN_F32=INTERPRETED,
-                  LOADS_BY_BIAS=KV_LOADS_BY_BIAS, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+                  num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     if rope is None:
         torch.library.wrap_triton(_partial_kernel)[(b * n_kv, splits)](
             q, kc, vc, bias, out, mx, sm, acc, q.stride(0), q.stride(1), q.stride(2), *common, **launch)

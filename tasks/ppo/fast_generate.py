@@ -59,7 +59,8 @@ from torch import Tensor
 
 from tasks.common.model import allow_recompiles
 from tasks.ppo.config import DECODE_KERNELS, FAST_GENERATE_STRATEGIES
-from tasks.ppo.generation import Rollout, _unwrap, check_temperature, position_ids_from_mask, sample_next, sample_probs, stop_ids
+from tasks.ppo.generation import (Rollout, _unwrap, check_temperature, exp_draws, position_ids_from_mask, race, sample_next, sample_probs,
+                                  stop_ids)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -166,6 +167,7 @@ class Dims(NamedTuple):
     linear: str = "cublas"  # the decode step's linears: 'cublas' (F.linear) or 'triton' (tasks/ppo/decode_linear.py)
     pdl: bool = False  # the split-K linears launched as programmatic dependents (``decode_linear_partials_pdl``; compiled, sm90+)
     rope_in_attention: bool = False  # decode: RoPE and the K/V cache writes inside the Triton attention (``decode_attention_rope``)
+    attention_pdl: bool = False  # that kernel launched as a programmatic dependent (``decode_attention_rope_pdl``), with ``pdl``
 
 
 class Sampling(NamedTuple):
@@ -261,7 +263,7 @@ def _layer(x: Tensor, delta: Tensor | None, kc: Tensor, vc: Tensor, cols: Tensor
     h = _rms(x, ln1, d.eps)
     if decode and d.rope_in_attention:  # T == 1: RoPE and the cache writes in the attention kernel
         qkv = _linear_parts(h, wqkv, bqkv, d, decode)[:, :, 0]
-        op = torch.ops.rlhf.decode_attention_rope_pdl if d.pdl and ATTENTION_PDL else torch.ops.rlhf.decode_attention_rope
+        op = torch.ops.rlhf.decode_attention_rope_pdl if d.attention_pdl else torch.ops.rlhf.decode_attention_rope
         o = op(qkv, cos[:, 0, 0], sin[:, 0, 0], kc, vc, cols, mask, d.scale, d.n_heads)
         return _mlp(x + _linear(o.reshape(b, 1, nq), wo, bo, d, decode), w, d, act, decode)
     q, k, v = _linear(h, wqkv, bqkv, d, decode).split([nq, nkv, nkv], dim=-1)
@@ -326,11 +328,10 @@ def _record(token: Tensor, fin: Tensor, resp: Tensor, act: Tensor, tok: Tensor, 
 
 def _finish_step(w: Tensor, q: Tensor | None, rows: Tensor | None, fin: Tensor, resp: Tensor, act: Tensor, tok: Tensor,
                  step: Tensor, stop: Tensor, pad: Tensor, pos: Tensor, col: Tensor) -> None:
-    """The end of a decode step: the token of each slot, ``argmax(w / q)`` (``sample_next``'s
-    exponential race, ``w`` its probabilities and ``q`` its Exp(1) draws) or ``argmax(w)``
-    (greedy, ``q`` None), taken at ``rows`` (the slots' batch rows; None: all), recorded
+    """The end of a decode step: the token of each row (``race``: ``sample_next``'s pick, ``q``
+    None when greedy), taken at ``rows`` (the slots' batch rows; None: all), recorded
     (``_record``), the next position and column. One function, so that compiled it is a few kernels."""
-    token = (w / q).argmax(-1) if q is not None else w.argmax(-1)
+    token = race(w, q)
     _record(token if rows is None else token.index_select(0, rows), fin, resp, act, tok, step, stop, pad)
     pos += 1
     col += 1
@@ -480,7 +481,7 @@ class FastGenerator:
             # them launch once they have read their inputs: each linear's weights stream into the
             # L2 while the kernel before it finishes (0.4b decode step 1.43 -> 1.40 ms on an H100,
             # bench/RESULTS.md, 2026-12-06, fifth session)
-            self.dims = self.dims._replace(pdl=True)
+            self.dims = self.dims._replace(pdl=True, attention_pdl=ATTENTION_PDL and self.dims.rope_in_attention)
             kw = dict(fullgraph=True, options={"triton.enable_pdl": True})
         if want_compile:
             allow_recompiles()  # the compacted batch sizes, dtypes, split counts: more than dynamo's 8 versions
@@ -597,7 +598,7 @@ class FastGenerator:
             logits = self._logits[:b].index_copy_(0, rows, logits)
         # sample_next's steps, its random draw between the compiled parts (the generator's numbers, as the plain loop's)
         w = logits if s.greedy else self._decode_probs(logits, s.temperature, s.top_k, s.top_p)
-        q = None if s.greedy else torch.empty_like(w).exponential_(1.0, generator=s.rng)
+        q = None if s.greedy else exp_draws(w, s.rng)
         self._decode_finish(w, q, rows, *self._state(n), self._pos[:n, None], self._col)
 
     def _sizes(self, b: int) -> list[int]:
@@ -730,9 +731,10 @@ class FastGenerator:
 
     def info(self) -> dict:
         """What the decode runs with: {'cuda_graphs', 'graph_batch_sizes', 'weight_copy_gib', 'compiled', 'attention',
-        'attention_rope', 'linear', 'linear_pdl', 'compact'}."""
+        'attention_rope', 'attention_pdl', 'linear', 'linear_pdl', 'compact'}."""
         return {"cuda_graphs": self.use_cuda_graph, "graph_batch_sizes": sorted({k[0] for k in self._graphs}), "compact": self.compact,
                 "weight_copy_gib": self.weight_copy_bytes() / 2**30,
                 "compiled": self._decode_fns[1] is not _layer or self._decode_forward is not _decoder,
-                "attention": self.dims.attention, "attention_rope": self.dims.rope_in_attention, "linear": self.dims.linear,
+                "attention": self.dims.attention, "attention_rope": self.dims.rope_in_attention,
+                "attention_pdl": self.dims.attention_pdl, "linear": self.dims.linear,
                 "linear_pdl": self.dims.pdl}

@@ -64,9 +64,20 @@ def sample_next(
     (``tasks/ppo/fast_generate.py``): no host sync, no tensor built from a Python number.
     """
     if greedy:
-        return logits.argmax(-1)
+        return race(logits)
     p = sample_probs(logits, temperature, top_k, top_p)
-    return (p / torch.empty_like(p).exponential_(1.0, generator=generator)).argmax(-1)
+    return race(p, exp_draws(p, generator))
+
+
+def exp_draws(p: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """One Exp(1) number per entry of ``p``, from ``generator``: ``torch.multinomial``'s draws."""
+    return torch.empty_like(p).exponential_(1.0, generator=generator)
+
+
+def race(w: Tensor, q: Tensor | None = None) -> Tensor:
+    """The token of each row: ``argmax(w / q)`` (the exponential race over probabilities ``w``
+    and draws ``q``), or ``argmax(w)`` with no draws (greedy)."""
+    return w.argmax(-1) if q is None else (w / q).argmax(-1)
 
 
 def check_temperature(temperature: float) -> None:
