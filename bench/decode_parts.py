@@ -194,7 +194,7 @@ def attention_sweep(cfg, B: int, L: int, visible: int) -> dict:
     return out
 
 
-OPTIONS = {"warps": "NUM_WARPS", "stages": "NUM_STAGES", "block": "BLOCK_N", "persm": "PROGRAMS_PER_SM"}
+OPTIONS = {"warps": "NUM_WARPS", "stages": "NUM_STAGES", "block": "BLOCK_N", "persm": "PROGRAMS_PER_SM", "apre": "PREFETCH_TILES"}
 BEST_ATTENTION: dict = {}  # set by attention_sweep (the 'best' step option); empty: the defaults
 FIRST_GREEDY: dict = {}  # the first step variant's greedy response tokens, for the others to be compared with
 TUNED_LINEAR: dict = {}  # (n, k) -> the gemm sweep's fastest (block_n, splits, block_k, stages) (the 'tuned' step option)
@@ -260,7 +260,7 @@ def main() -> None:
     ap.add_argument("--no-autotune", action="store_true", help="skip Inductor's max-autotune GEMMs")
     ap.add_argument("--steps", default="sdpa,triton,triton+autotune,triton+whole,triton+whole+autotune",
                     help="whole-step variants: an attention ('sdpa', 'triton') then +options: autotune (compile_mode "
-                    "max-autotune-no-cudagraphs), whole (compile_scope 'forward'), pdl (Inductor's kernels with programmatic dependent launch), nopdl (the split-K linears launched plainly, not as programmatic dependents), norope (RoPE and the cache writes in kernels of their own, not in the Triton attention's), noapdl (that kernel launched plainly, not as a programmatic dependent beside the PDL linears), eagerends (the step's parts outside the layers eager, as before 2026-12-07), tlinear (the split-K Triton linears), tuned (them at the gemm part's fastest settings per shape), warpsN, stagesN, blockN, persmN "
+                    "max-autotune-no-cudagraphs), whole (compile_scope 'forward'), pdl (Inductor's kernels with programmatic dependent launch), nopdl (the split-K linears launched plainly, not as programmatic dependents), norope (RoPE and the cache writes in kernels of their own, not in the Triton attention's), noapdl (that kernel launched plainly, not as a programmatic dependent beside the PDL linears), eagerends (the step's parts outside the layers eager, as before 2026-12-07), tlinear (the split-K Triton linears), tuned (them at the gemm part's fastest settings per shape), warpsN, stagesN, blockN, persmN, apreN (the PDL RoPE attention's first N tiles prefetched into the L2 before it waits) "
                     "(attention launch settings)")
     ap.add_argument("--profile-rows", type=int, default=24)
     a = ap.parse_args()

@@ -17,7 +17,9 @@ H200 to read what the copy bandwidth reads in 16 (0.4b, batch 64, 256 columns: b
    writes need no kernels of their own (the 0.4b decode step on an H100 1.398 -> 1.363 ms with the
    split-K linears, 1.463 -> 1.407 with cuBLAS's; bench/RESULTS.md, sixth and seventh sessions);
    with the split-K linears launched as a programmatic dependent (``decode_attention_rope_pdl``:
-   1.317 -> 1.289-1.292 ms). It reads no column after the step's (the future).
+   1.317 -> 1.289-1.292 ms), whose programs ask the L2 for their first cache tile before they wait
+   for the projection (1.276 -> 1.243-1.252 ms, eighth session). It reads no column after the
+   step's (the future).
 
 Masked columns (bias at the dtype's minimum) are not loaded: their K/V loads are predicated off,
 so they cost no memory traffic and contribute exactly zero; late in a rollout most of a row is
@@ -46,7 +48,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from tasks.ppo.decode_linear import pdl_capable
+from tasks.ppo.decode_linear import pdl_capable, prefetch_l2
 
 TILE_BYTES = 16384  # one K (or V) tile: 128 cache columns at head_dim 64 in bf16, 64 at head_dim 128 (64 columns
 # always before 2026-12-06: the 0.4b decode step 1.05x slower on an H100, bench/RESULTS.md)
@@ -54,6 +56,8 @@ BLOCK_N: int | None = None  # cache columns per tile; None: from TILE_BYTES (ben
 MIN_ROWS = 16  # tl.dot's smallest M (and N, K): the group's queries are padded to it
 SMS_IF_NOT_CUDA = 132  # an H200's SM count, for the split choice off CUDA (the interpreter's tests)
 PROGRAMS_PER_SM = 4  # enough programs in flight to keep the memory system busy
+PREFETCH_TILES = 1  # the PDL RoPE kernel: a program's first cache tiles asked of the L2 before it waits for the projection
+# (0.4b on an H100: 1.276 -> 1.243-1.252 ms a step; bench/RESULTS.md, eighth session, 'apreN'), read at call time
 NUM_WARPS, NUM_STAGES = 4, 2  # the partial kernel's launch, read at call time (bench/decode_parts.py sweeps them:
 # with 128-column tiles the fastest over 24 separate layer caches on an H100, 2026-12-06)
 # Triton's interpreter (TRITON_INTERPRET=1, the CPU tests) multiplies bfloat16 bit patterns in
@@ -107,7 +111,7 @@ def _partial_rope_kernel(QKV, Cos, Sin, Col, K, V, Bias, Out, Mx, Sm, Acc,
                          sp, sqkv_b, sc_b, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l, sb_b, sb_l, so_b, so_h, so_g,
                          n_kv, G, L, cols_per_split, scale: tl.constexpr, masked: tl.constexpr, HD: tl.constexpr,
                          G_PAD: tl.constexpr, HD_PAD: tl.constexpr, BLOCK: tl.constexpr, ONE_SPLIT: tl.constexpr,
-                         DOT_IN_F32: tl.constexpr, PARTS: tl.constexpr, PDL: tl.constexpr):
+                         DOT_IN_F32: tl.constexpr, PARTS: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
     """``_partial_kernel`` from the step's packed projection: q, k and v come as ``PARTS`` parts of
     ``QKV`` (parts, b, (n_kv G + 2 n_kv) HD) whose sum is it (the split-K linears' fp32 partials, or
     the product itself as one part). The program sums its group's queries and its head's k and v,
@@ -116,12 +120,19 @@ def _partial_rope_kernel(QKV, Cos, Sin, Col, K, V, Bias, Out, Mx, Sm, Acc,
     RoPE and the cache writes need no kernels of their own. ``PDL`` (launched as a programmatic
     dependent of the kernel before, the packed projection): the program waits for that kernel
     before reading its product and lets the next kernel launch at once: the next one's programs
-    take the SMs this kernel's last wave leaves free and prefetch their weights there."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    take the SMs this kernel's last wave leaves free and prefetch their weights there. Before it
+    waits, the program asks the L2 for the visible columns of its first ``PREFETCH`` cache tiles:
+    the cache before this step's column and the bias were written before the projection ran."""
     pair, split = tl.program_id(0), tl.program_id(1)
     row, head = (pair // n_kv).to(tl.int64), pair % n_kv
+    stop = tl.minimum(tl.load(Col) + 1, L)  # the columns after this step's are the future: no row sees them
+    if PDL:
+        if PREFETCH > 0:
+            start = split * cols_per_split
+            _prefetch_tiles(K + row * sk_b + head * sk_h, V + row * sv_b + head * sv_h, Bias + row * sb_b, sk_l, sv_l, sb_l,
+                            start, tl.minimum(start + cols_per_split, stop), masked, HD, HD_PAD, BLOCK, PREFETCH)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     offs_g, offs_d = tl.arange(0, G_PAD), tl.arange(0, HD_PAD)
     g_ok, d_ok = offs_g < G, offs_d < HD
     dtype: tl.constexpr = K.dtype.element_ty
@@ -144,9 +155,25 @@ def _partial_rope_kernel(QKV, Cos, Sin, Col, K, V, Bias, Out, Mx, Sm, Acc,
     tl.store(k_base + col * sk_l + offs_d, k, mask=mine)
     tl.store(v_base + col * sv_l + offs_d, v, mask=mine)
     tl.debug_barrier()  # the block's own stores before its loads of the tiles
-    stop = tl.minimum(tl.load(Col) + 1, L)  # the columns after this step's are the future: no row sees them
     _attend(q, k_base, v_base, Bias + row * sb_b, Out + row * so_b + head * so_h, Mx, Sm, Acc, pair, split,
             sk_l, sv_l, sb_l, so_g, G, stop, cols_per_split, scale, masked, HD, G_PAD, HD_PAD, BLOCK, ONE_SPLIT, DOT_IN_F32)
+
+
+@triton.jit
+def _prefetch_tiles(k_base, v_base, bias_row, sk_l, sv_l, sb_l, start, end, masked: tl.constexpr,
+                    HD: tl.constexpr, HD_PAD: tl.constexpr, BLOCK: tl.constexpr, TILES: tl.constexpr):
+    """The K and V lines of the visible columns before ``end`` in the first ``TILES`` tiles from
+    ``start`` into the L2 (a hint: nothing waited on; a masked column's lanes, and the lines past ``HD``, ask
+    for one already asked for)."""
+    LINE: tl.constexpr = 128 * 8 // k_base.dtype.element_ty.primitive_bitwidth  # elements a 128-byte line
+    LINES: tl.constexpr = (HD_PAD + LINE - 1) // LINE  # a power of two (HD_PAD and LINE are)
+    offs_n, offs_l = tl.arange(0, BLOCK), tl.minimum(tl.arange(0, LINES) * LINE, HD - 1)
+    for t in tl.static_range(TILES):
+        cols = start + t * BLOCK + offs_n
+        bias = tl.load(bias_row + cols * sb_l, mask=cols < end, other=masked).to(tl.float32)
+        cols = tl.where(bias > masked, cols, start)
+        prefetch_l2(k_base + cols[:, None] * sk_l + offs_l[None, :])
+        prefetch_l2(v_base + cols[:, None] * sv_l + offs_l[None, :])
 
 
 @triton.jit
@@ -343,7 +370,7 @@ def _attention(q: Tensor | None, kc: Tensor, vc: Tensor, bias: Tensor, scale: fl
         kernel, extra = (_partial_rope_kernel, {"launch_pdl": True}) if pdl else (torch.library.wrap_triton(_partial_rope_kernel), {})
         kernel[(b * n_kv, splits)](
             qkv, cos, sin, col, kc, vc, bias, out, mx, sm, acc, qkv.stride(0), qkv.stride(1), cos.stride(0), *common,
-            PARTS=qkv.shape[0], PDL=pdl, **launch, **extra)
+            PARTS=qkv.shape[0], PDL=pdl, PREFETCH=PREFETCH_TILES if pdl else 0, **launch, **extra)
     if splits > 1:
         torch.library.wrap_triton(_combine_kernel)[(b * n_kv,)](
             mx, sm, acc, out, out.stride(0), out.stride(1), out.stride(2), n_kv, g, splits,
