@@ -163,8 +163,8 @@ def _partial_rope_kernel(QKV, Cos, Sin, Col, K, V, Bias, Out, Mx, Sm, Acc,
 def _prefetch_tiles(k_base, v_base, bias_row, sk_l, sv_l, sb_l, start, end, masked: tl.constexpr,
                     HD: tl.constexpr, HD_PAD: tl.constexpr, BLOCK: tl.constexpr, TILES: tl.constexpr):
     """The K and V lines of the visible columns before ``end`` in the first ``TILES`` tiles from
-    ``start`` into the L2 (a hint: nothing waited on; a masked column's lanes, and the lines past ``HD``, ask
-    for one already asked for)."""
+    ``start`` into the L2 (a hint: nothing waited on). A masked column's lanes ask for the split's
+    first column instead (one line, whatever its bias), the lines past ``HD`` for the row's last."""
     LINE: tl.constexpr = 128 * 8 // k_base.dtype.element_ty.primitive_bitwidth  # elements a 128-byte line
     LINES: tl.constexpr = (HD_PAD + LINE - 1) // LINE  # a power of two (HD_PAD and LINE are)
     offs_n, offs_l = tl.arange(0, BLOCK), tl.minimum(tl.arange(0, LINES) * LINE, HD - 1)
@@ -370,7 +370,7 @@ def _attention(q: Tensor | None, kc: Tensor, vc: Tensor, bias: Tensor, scale: fl
         kernel, extra = (_partial_rope_kernel, {"launch_pdl": True}) if pdl else (torch.library.wrap_triton(_partial_rope_kernel), {})
         kernel[(b * n_kv, splits)](
             qkv, cos, sin, col, kc, vc, bias, out, mx, sm, acc, qkv.stride(0), qkv.stride(1), cos.stride(0), *common,
-            PARTS=qkv.shape[0], PDL=pdl, PREFETCH=PREFETCH_TILES if pdl else 0, **launch, **extra)
+            PARTS=qkv.shape[0], PDL=pdl, PREFETCH=PREFETCH_TILES, **launch, **extra)
     if splits > 1:
         torch.library.wrap_triton(_combine_kernel)[(b * n_kv,)](
             mx, sm, acc, out, out.stride(0), out.stride(1), out.stride(2), n_kv, g, splits,
