@@ -3,6 +3,7 @@
     python3 bench/useful_mfu.py --shape 0.4b --out bench/results/useful_mfu_0.4b.json     # on the H200
     python3 bench/useful_mfu.py --shape 1.5b --lora-actor 32 --out bench/results/useful_mfu_1.5b.json
     python3 bench/useful_mfu.py --shape 0.4b --variants packed1024 --learners apart        # the stage's layout: two processes
+    python3 bench/useful_mfu.py --shape 1.5b --minibatch 64 --weights bf16 --variants packed4096   # bf16 weights, fp32 masters
     python3 bench/useful_mfu.py --shape tiny --batch 16 --minibatch 4 --reps 1            # CPU: a smoke run
 
 A rollout batch as users' data makes it: prompts of ``--prompt-len`` / 4 .. ``--prompt-len``
@@ -10,7 +11,8 @@ tokens, left-padded, and responses that stop at EOS after ``--new-tokens`` / 8 .
 tokens (uniform, seeded). One PPO epoch over it in minibatches of ``--minibatch`` rows with the
 stage's own functions: ``action_logprobs`` + the clipped policy loss on the policy,
 ``tasks.ppo.roles._Values`` (the critic's forward) + the clipped value loss, bf16 autocast over
-fp32 master weights (or a LoRA actor on a bf16 base), fused AdamW, compiled blocks on CUDA.
+fp32 master weights (or a LoRA actor on a bf16 base; ``--weights bf16``: bf16 weights and fp32
+masters in the optimizer, ``MasterAdamW``), fused AdamW, compiled blocks on CUDA.
 Every forward skips the columns no row of its minibatch attends (tasks/ppo/padding.py).
 
 The policy and the critic learn one after the other in this process, or (``--learners apart``)
@@ -212,24 +214,90 @@ def work(cfg, exp: dict, order: torch.Tensor, mb: int, N: int, pack_tokens: int 
             "useful_flops": useful, "computed_flops": computed}
 
 
+def _master_adamw_kernel():
+    """The Triton kernel of ``MasterAdamW``'s fused step (built on first use: triton is imported
+    only where it runs)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(p_ptr, g_ptr, w_ptr, m_ptr, v_ptr, n, lr, beta1, beta2, eps, decay, bc1, bc2_sqrt, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        keep = offs < n
+        g = tl.load(g_ptr + offs, mask=keep).to(tl.float32)
+        w = tl.load(w_ptr + offs, mask=keep) * decay
+        m = beta1 * tl.load(m_ptr + offs, mask=keep) + (1 - beta1) * g
+        v = beta2 * tl.load(v_ptr + offs, mask=keep) + (1 - beta2) * g * g
+        w = w - (lr / bc1) * m / (tl.sqrt(v) / bc2_sqrt + eps)
+        tl.store(w_ptr + offs, w, mask=keep)
+        tl.store(m_ptr + offs, m, mask=keep)
+        tl.store(v_ptr + offs, v, mask=keep)
+        tl.store(p_ptr + offs, w.to(p_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=keep)
+
+    return kernel
+
+
+class MasterAdamW:
+    """``--weights bf16``: AdamW over fp32 master copies of bf16 parameters (the models compute in
+    bf16 without casts, as DeepSpeed's bf16 mode or FSDP's ``param_dtype``). ``fused`` (CUDA): one
+    Triton pass a parameter reads its bf16 gradient, the master and the moments and writes them and
+    the bf16 parameter: 28 bytes a parameter, as torch's fused AdamW on fp32 weights. Else (and
+    with ``--master-step torch``) torch's: the gradients cast up, fused AdamW on the masters, the
+    masters copied back (16 more bytes a parameter)."""
+
+    def __init__(self, params, lr: float, fused: bool, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01,
+                 triton_step: bool = True):
+        self.params = [p for p in params if p.requires_grad]
+        self.masters = [p.detach().float() for p in self.params]
+        self.lr, self.betas, self.eps, self.wd, self.steps = lr, betas, eps, weight_decay, 0
+        self.kernel = _master_adamw_kernel() if fused and triton_step else None
+        if self.kernel is not None:
+            self.moments = [(torch.zeros_like(w), torch.zeros_like(w)) for w in self.masters]
+        else:
+            self.opt = torch.optim.AdamW(self.masters, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        if self.kernel is None:
+            for w, p in zip(self.masters, self.params):
+                w.grad = p.grad.float()
+            self.opt.step()
+            torch._foreach_copy_(self.params, self.masters)
+            return
+        self.steps += 1
+        (b1, b2), block = self.betas, 4096
+        bc1, bc2_sqrt = 1 - b1 ** self.steps, (1 - b2 ** self.steps) ** 0.5
+        for p, w, (m, v) in zip(self.params, self.masters, self.moments):
+            n = w.numel()
+            self.kernel[(-(-n // block),)](p, p.grad, w, m, v, n, self.lr, b1, b2, self.eps, 1 - self.lr * self.wd, bc1, bc2_sqrt, BLOCK=block)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for w, p in zip(self.masters, self.params):
+            w.grad = p.grad = None
+
+
 def learners(a, role: str) -> tuple:
     """(policy, critic, optimizer) of ``role`` 'policy', 'critic' or 'both' (the other None),
-    compiled as ``--compile`` says, one fused AdamW over what they train."""
+    compiled as ``--compile`` says, one fused AdamW over what they train (``--weights bf16``: bf16
+    models, the AdamW over fp32 masters, ``MasterAdamW``)."""
     policy = critic = None
+    bf16 = a.weights == "bf16"
     if role in ("policy", "both"):
-        policy = build_policy(a.shape, DEV, torch.bfloat16 if a.lora_actor else torch.float32, vocab=a.vocab)
+        policy = build_policy(a.shape, DEV, torch.bfloat16 if a.lora_actor or bf16 else torch.float32, vocab=a.vocab)
         if a.lora_actor:
             from peft import LoraConfig, get_peft_model
 
             policy = get_peft_model(policy, LoraConfig(r=a.lora_actor, lora_alpha=32, target_modules="all-linear"), autocast_adapter_dtype=True)
     if role in ("critic", "both"):
         critic = _Values(lora_value_model(a.shape, DEV, a.lora_critic, seed=1, vocab=a.vocab) if a.lora_critic
-                         else build_value_model(a.shape, DEV, seed=1, vocab=a.vocab))
+                         else build_value_model(a.shape, DEV, torch.bfloat16 if bf16 else torch.float32, seed=1, vocab=a.vocab))
     models = [m for m in (policy, critic) if m is not None]
     if DEV == "cuda" or a.compile != "blocks":
         for m in models:
             compile_as(m.rm if m is critic else m, a.compile)
-    opt = torch.optim.AdamW([p for m in models for p in m.parameters() if p.requires_grad], lr=1e-7, fused=DEV == "cuda")
+    params = [p for m in models for p in m.parameters() if p.requires_grad]
+    opt = (MasterAdamW(params, lr=1e-7, fused=DEV == "cuda", triton_step=a.master_step == "triton") if bf16
+           else torch.optim.AdamW(params, lr=1e-7, fused=DEV == "cuda"))
     return policy, critic, opt
 
 
@@ -318,6 +386,10 @@ def main() -> None:
     ap.add_argument("--minibatch", type=int, default=16)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--vocab", type=int, default=None)
+    ap.add_argument("--weights", default="fp32", choices=["fp32", "bf16"], help="fp32: fp32 weights under bf16 autocast (the stage's "
+                    "full-parameter learners); bf16: bf16 weights, fp32 masters in the optimizer (MasterAdamW)")
+    ap.add_argument("--master-step", default="triton", choices=["triton", "torch"], help="--weights bf16 on CUDA: MasterAdamW's "
+                    "step as one Triton pass a parameter, or torch's (cast the gradients up, fused AdamW, copy the masters back)")
     ap.add_argument("--lora-actor", type=int, default=0, help="rank of a LoRA actor on a bf16 base (the stage's actor); 0: a full fp32-master policy")
     ap.add_argument("--lora-critic", type=int, default=0, help="rank of a LoRA critic on a frozen bf16 body (ppo.critic_lora_rank); 0: full fp32-master")
     ap.add_argument("--variants", default="rollout_order,bucket_by_length,packed256,packed512,packed1024,packed512_bucket",
@@ -339,7 +411,7 @@ def main() -> None:
     B, P, N, mb = a.batch, a.prompt_len, a.new_tokens, a.minibatch
     torch.backends.cuda.matmul.allow_tf32 = True
     res = {"machine": machine(), "command": " ".join(sys.argv), "shape": a.shape, "batch": B, "prompt_len": P,
-           "new_tokens": N, "minibatch": mb, "compile": a.compile, "learners": a.learners, "vocab": a.vocab, "lora_actor": a.lora_actor, "lora_critic": a.lora_critic,
+           "new_tokens": N, "minibatch": mb, "compile": a.compile, "weights": a.weights, "master_step": a.master_step, "learners": a.learners, "vocab": a.vocab, "lora_actor": a.lora_actor, "lora_critic": a.lora_critic,
            "matmul_bf16_tflops_measured": matmul_tflops() if DEV == "cuda" else float("nan"),
            "peak_tflops_datasheet": H200_BF16_DENSE_TFLOPS, "variants": {}}
     if a.learners == "apart" and (a.profile or a.sync_debug):
