@@ -243,6 +243,10 @@ def test_kernel_choice_names_the_value_and_the_way_out(option, library):
     assert pick_kernel(option, "triton", cuda) == "triton"  # triton is in the test extra
     assert pick_kernel(option, "auto", cuda) == "triton"  # the default: the kernel on a GPU
     assert pick_kernel(option, "auto", cpu) == library  # and the library's elsewhere, interpreter or not
+    # the split-K linears only in small models, where they won (bench/RESULTS.md); the attention at any size
+    assert pick_kernel(option, "auto", cuda, hidden_size=1024) == "triton"
+    assert pick_kernel(option, "auto", cuda, hidden_size=1536) == ("triton" if option == "attention" else library)
+    assert pick_kernel(option, "triton", cuda, hidden_size=4096) == "triton"  # asked for by name: taken at any size
     with pytest.raises(ValueError, match=f"{option} 'flash' is not one of"):
         pick_kernel(option, "flash", cpu)
     if os.environ.get("TRITON_INTERPRET") != "1":

@@ -123,14 +123,20 @@ def _triton_kernel(option: str, module: str, device: torch.device, instead: str)
     return "triton"
 
 
-def pick_kernel(option: str, choice: str, device: torch.device) -> str:
+LINEAR_AUTO_MAX_HIDDEN = 1024  # linear 'auto' takes the split-K kernel up to this hidden size: on an H100 it won at
+# d 1024 (0.4B step 1.24 against 1.41 ms) and lost at d 1536 (1.5B, 2.17 against 2.08-2.10) and 4096 (8B, 9.37 against 7.07)
+
+
+def pick_kernel(option: str, choice: str, device: torch.device, hidden_size: int | None = None) -> str:
     """FastGenerator's ``option`` ('attention' or 'linear', ``KERNELS``) checked and resolved: 'auto'
     (the default) is the Triton kernel on a CUDA device where the triton package imports, else the
-    library's (measured on the H200 and H100, bench/RESULTS.md)."""
+    library's (measured on the H200 and H100, bench/RESULTS.md); for the linears only in models of
+    at most ``LINEAR_AUTO_MAX_HIDDEN`` hidden units (``hidden_size``; None: any)."""
     library, module = KERNELS[option]
     if choice not in ("auto", library, "triton"):
         raise ValueError(f"FastGenerator: {option} {choice!r} is not one of {('auto', library, 'triton')}")
-    if choice == library or (choice == "auto" and device.type != "cuda"):
+    wide = option == "linear" and hidden_size is not None and hidden_size > LINEAR_AUTO_MAX_HIDDEN
+    if choice == library or (choice == "auto" and (device.type != "cuda" or wide)):
         return library
     try:
         return _triton_kernel(option, module, device, library)
@@ -440,7 +446,7 @@ class FastGenerator:
         n_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.dims = Dims(cfg.num_attention_heads, n_kv, head_dim, float(getattr(attn0, "scaling", head_dim ** -0.5)),
                          float(self.norm.variance_epsilon), pick_kernel("attention", attention, self.device),
-                         pick_kernel("linear", linear, self.device))
+                         pick_kernel("linear", linear, self.device, cfg.hidden_size))
         if self.dims.attention == "triton" and ATTENTION_ROPE and not hasattr(attn0, "q_norm"):
             self.dims = self.dims._replace(rope_in_attention=True)
         self.act = self.layers[0].mlp.act_fn
