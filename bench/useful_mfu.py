@@ -242,8 +242,8 @@ class MasterAdamW:
     bf16 without casts, as DeepSpeed's bf16 mode or FSDP's ``param_dtype``). ``fused`` (CUDA): one
     Triton pass a parameter reads its bf16 gradient, the master and the moments and writes them and
     the bf16 parameter: 28 bytes a parameter, as torch's fused AdamW on fp32 weights. Else (and
-    with ``--master-step torch``) torch's: the gradients cast up, fused AdamW on the masters, the
-    masters copied back (16 more bytes a parameter)."""
+    with ``--master-step torch``) torch's (the gradients cast up, fused AdamW on the masters, the
+    masters copied back: 12 more bytes a parameter)."""
 
     def __init__(self, params, lr: float, fused: bool, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01,
                  triton_step: bool = True):
