@@ -34,6 +34,7 @@ elementwise, copies), and the ops with the most device time: where an epoch goes
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import statistics
 import sys
@@ -214,8 +215,9 @@ def work(cfg, exp: dict, order: torch.Tensor, mb: int, N: int, pack_tokens: int 
             "useful_flops": useful, "computed_flops": computed}
 
 
+@functools.cache
 def _master_adamw_kernel():
-    """The Triton kernel of ``MasterAdamW``'s fused step (built on first use: triton is imported
+    """The Triton kernel of ``MasterAdamW``'s step (built once, on first use: triton is imported
     only where it runs)."""
     import triton
     import triton.language as tl
@@ -239,37 +241,34 @@ def _master_adamw_kernel():
 
 class MasterAdamW:
     """``--weights bf16``: AdamW over fp32 master copies of bf16 parameters (the models compute in
-    bf16 without casts, as DeepSpeed's bf16 mode or FSDP's ``param_dtype``). ``fused`` (CUDA): one
-    Triton pass a parameter reads its bf16 gradient, the master and the moments and writes them and
-    the bf16 parameter: 28 bytes a parameter, as torch's fused AdamW on fp32 weights. Else (and
-    with ``--master-step torch``) torch's (the gradients cast up, fused AdamW on the masters, the
-    masters copied back: 12 more bytes a parameter)."""
+    bf16 without casts, as DeepSpeed's bf16 mode or FSDP's ``param_dtype``). ``triton``: one Triton
+    pass a parameter reads its bf16 gradient, the master and the moments and writes them and the
+    bf16 parameter: 28 bytes a parameter, as torch's fused AdamW on fp32 weights. Else torch's
+    AdamW (fused on CUDA) on the masters, the gradients cast up before and the masters copied back
+    after: 12 more bytes a parameter."""
 
-    def __init__(self, params, lr: float, fused: bool, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01,
-                 triton_step: bool = True):
+    def __init__(self, params, lr: float, triton: bool, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01):
         self.params = [p for p in params if p.requires_grad]
         self.masters = [p.detach().float() for p in self.params]
         self.lr, self.betas, self.eps, self.wd, self.steps = lr, betas, eps, weight_decay, 0
-        self.kernel = _master_adamw_kernel() if fused and triton_step else None
-        if self.kernel is not None:
-            self.moments = [(torch.zeros_like(w), torch.zeros_like(w)) for w in self.masters]
-        else:
-            self.opt = torch.optim.AdamW(self.masters, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused)
+        self.moments = [(torch.zeros_like(w), torch.zeros_like(w)) for w in self.masters] if triton else None
+        self.opt = None if triton else torch.optim.AdamW(self.masters, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                                         fused=self.masters[0].is_cuda)
 
     @torch.no_grad()
     def step(self) -> None:
-        if self.kernel is None:
+        if self.opt is not None:
             for w, p in zip(self.masters, self.params):
                 w.grad = p.grad.float()
             self.opt.step()
             torch._foreach_copy_(self.params, self.masters)
             return
         self.steps += 1
-        (b1, b2), block = self.betas, 4096
+        (b1, b2), block, kernel = self.betas, 4096, _master_adamw_kernel()
         bc1, bc2_sqrt = 1 - b1 ** self.steps, (1 - b2 ** self.steps) ** 0.5
         for p, w, (m, v) in zip(self.params, self.masters, self.moments):
             n = w.numel()
-            self.kernel[(-(-n // block),)](p, p.grad, w, m, v, n, self.lr, b1, b2, self.eps, 1 - self.lr * self.wd, bc1, bc2_sqrt, BLOCK=block)
+            kernel[(-(-n // block),)](p, p.grad, w, m, v, n, self.lr, b1, b2, self.eps, 1 - self.lr * self.wd, bc1, bc2_sqrt, BLOCK=block)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for w, p in zip(self.masters, self.params):
@@ -296,7 +295,7 @@ def learners(a, role: str) -> tuple:
         for m in models:
             compile_as(m.rm if m is critic else m, a.compile)
     params = [p for m in models for p in m.parameters() if p.requires_grad]
-    opt = (MasterAdamW(params, lr=1e-7, fused=DEV == "cuda", triton_step=a.master_step == "triton") if bf16
+    opt = (MasterAdamW(params, lr=1e-7, triton=DEV == "cuda" and a.master_step == "triton") if bf16
            else torch.optim.AdamW(params, lr=1e-7, fused=DEV == "cuda"))
     return policy, critic, opt
 

@@ -13,8 +13,8 @@ seeded rollouts stay reproducible).
 
 Measured on an H100 (bench/RESULTS.md, 2026-12-06, fourth session): at 0.4B, batch 64, it takes
 the decode step from 1.53 to 1.46 ms (the o and down projections, which leave cuBLAS short of
-tiles, 1.3x and 1.6x); at 1.5B and 8B it gains nothing (and with everything below it loses:
-2.17 against 2.08-2.10 ms, 9.37 against 7.07, ninth session). So FastGenerator keeps
+tiles, 1.3x and 1.6x); at 1.5B and 8B it gained nothing, and with the PDL launch below it loses
+there (2.17 against 2.08-2.10 ms, 9.37 against 7.07, ninth session). So FastGenerator keeps
 ``linear='cublas'`` by default, ``ppo.decode_linear`` opts in, and 'auto' takes it only up to a
 hidden size of 1024 (``fast_generate.LINEAR_AUTO_MAX_HIDDEN``). On Hopper FastGenerator launches it as a
 programmatic dependent (``decode_linear_partials_pdl``, Inductor's kernels around it compiled

@@ -123,8 +123,8 @@ def _triton_kernel(option: str, module: str, device: torch.device, instead: str)
     return "triton"
 
 
-LINEAR_AUTO_MAX_HIDDEN = 1024  # linear 'auto' takes the split-K kernel up to this hidden size: on an H100 it won at
-# d 1024 (0.4B step 1.24 against 1.41 ms) and lost at d 1536 (1.5B, 2.17 against 2.08-2.10) and 4096 (8B, 9.37 against 7.07)
+LINEAR_AUTO_MAX_HIDDEN = 1024  # linear 'auto' takes the split-K kernel up to this hidden size: it won at d 1024 (0.4B)
+# and lost at d 1536 and 4096 (1.5B, 8B) on an H100 (tasks/ppo/decode_linear.py, bench/RESULTS.md)
 
 
 def pick_kernel(option: str, choice: str, device: torch.device, hidden_size: int | None = None) -> str:
