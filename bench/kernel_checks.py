@@ -4,7 +4,7 @@
     python3 bench/kernel_checks.py linear-accuracy  # CUDA: the split-K linear at the 8B layer's shapes, M = 64
     TRITON_INTERPRET=1 python3 bench/kernel_checks.py head-layout   # CPU: FastGenerator at the 8B head layout
 
-master-adamw: bench/useful_mfu.py's ``MasterAdamW`` (the Triton step) and torch's AdamW on fp32
+master-adamw: tasks/common/optim.py's ``MasterAdamW`` (the Triton step) and torch's AdamW on fp32
 copies take the same 3 steps of random bf16 gradients on 3 tensors; per tensor the largest master
 difference and bf16 weight difference, then how many bf16 weights differ from their own master's
 round-to-nearest-even and from torch's. (In Triton's interpreter the cast rounds otherwise: CUDA.)
@@ -33,21 +33,21 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def master_adamw() -> None:
-    from bench.useful_mfu import MasterAdamW
+    from tasks.common.optim import MasterAdamW
 
     torch.manual_seed(0)
     shapes = [(37, 5), (4097,), (3, 3)]
     ps = [torch.nn.Parameter(torch.randn(s, device="cuda").bfloat16()) for s in shapes]
     ref = [torch.nn.Parameter(p.detach().float().clone()) for p in ps]
-    opt, ro = MasterAdamW(ps, lr=1e-2, triton=True), torch.optim.AdamW(ref, lr=1e-2)
+    opt, ro = MasterAdamW(ps, lr=1e-2, weight_decay=0.01, triton=True), torch.optim.AdamW(ref, lr=1e-2)
     for _ in range(3):
         for p, r in zip(ps, ref):
             g = torch.randn(p.shape, device="cuda").bfloat16()
             p.grad, r.grad = g.clone(), g.float()
         opt.step(), ro.step(), opt.zero_grad(), ro.zero_grad()
-    for w, r, p in zip(opt.masters, ref, ps):
+    for (p, w), r in zip(opt.masters(), ref):
         print("max diff: master", (w - r).abs().max().item(), "bf16 weight", (p.float() - r.bfloat16().float()).abs().max().item())
-    for w, r, p in zip(opt.masters, ref, ps):
+    for (p, w), r in zip(opt.masters(), ref):
         print("bf16 weights unlike: their master's rounding", (p != w.bfloat16()).sum().item(), "torch's", (p != r.bfloat16()).sum().item(),
               "of", p.numel())
 

@@ -12,7 +12,8 @@ tokens (uniform, seeded). One PPO epoch over it in minibatches of ``--minibatch`
 stage's own functions: ``action_logprobs`` + the clipped policy loss on the policy,
 ``tasks.ppo.roles._Values`` (the critic's forward) + the clipped value loss, bf16 autocast over
 fp32 master weights (or a LoRA actor on a bf16 base; ``--weights bf16``: bf16 weights and fp32
-masters in the optimizer, ``MasterAdamW``), fused AdamW, compiled blocks on CUDA.
+masters in the optimizer, tasks/common/optim.py's ``MasterAdamW``, the stage's ``ppo.learner_weights``
+'bf16'), fused AdamW, compiled blocks on CUDA.
 Every forward skips the columns no row of its minibatch attends (tasks/ppo/padding.py).
 
 The policy and the critic learn one after the other in this process, or (``--learners apart``)
@@ -34,7 +35,6 @@ elementwise, copies), and the ops with the most device time: where an epoch goes
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import statistics
 import sys
@@ -46,6 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import (H200_BF16_DENSE_TFLOPS, build_policy, build_value_model, llama_config, lora_value_model,  # noqa: E402
                           machine, matmul_tflops, n_params, peak_gib, reset_peak, shape_vocab, sync, timed, train_flops, workload_args,
                           write_json)
+from tasks.common.optim import MasterAdamW  # noqa: E402
 from tasks.ppo.generation import action_logprobs  # noqa: E402
 from tasks.ppo.losses import ppo_clip_loss, value_loss  # noqa: E402
 from tasks.ppo import packing  # noqa: E402
@@ -215,66 +216,6 @@ def work(cfg, exp: dict, order: torch.Tensor, mb: int, N: int, pack_tokens: int 
             "useful_flops": useful, "computed_flops": computed}
 
 
-@functools.cache
-def _master_adamw_kernel():
-    """The Triton kernel of ``MasterAdamW``'s step (built once, on first use: triton is imported
-    only where it runs)."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def kernel(p_ptr, g_ptr, w_ptr, m_ptr, v_ptr, n, lr, beta1, beta2, eps, decay, bc1, bc2_sqrt, BLOCK: tl.constexpr):
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        keep = offs < n
-        g = tl.load(g_ptr + offs, mask=keep).to(tl.float32)
-        w = tl.load(w_ptr + offs, mask=keep) * decay
-        m = beta1 * tl.load(m_ptr + offs, mask=keep) + (1 - beta1) * g
-        v = beta2 * tl.load(v_ptr + offs, mask=keep) + (1 - beta2) * g * g
-        w = w - (lr / bc1) * m / (tl.sqrt(v) / bc2_sqrt + eps)
-        tl.store(w_ptr + offs, w, mask=keep)
-        tl.store(m_ptr + offs, m, mask=keep)
-        tl.store(v_ptr + offs, v, mask=keep)
-        tl.store(p_ptr + offs, w.to(p_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=keep)
-
-    return kernel
-
-
-class MasterAdamW:
-    """``--weights bf16``: AdamW over fp32 master copies of bf16 parameters (the models compute in
-    bf16 without casts, as DeepSpeed's bf16 mode or FSDP's ``param_dtype``). ``triton``: one Triton
-    pass a parameter reads its bf16 gradient, the master and the moments and writes them and the
-    bf16 parameter: 28 bytes a parameter, as torch's fused AdamW on fp32 weights. Else torch's
-    AdamW (fused on CUDA) on the masters, the gradients cast up before and the masters copied back
-    after: 12 more bytes a parameter."""
-
-    def __init__(self, params, lr: float, triton: bool, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01):
-        self.params = [p for p in params if p.requires_grad]
-        self.masters = [p.detach().float() for p in self.params]
-        self.lr, self.betas, self.eps, self.wd, self.steps = lr, betas, eps, weight_decay, 0
-        self.moments = [(torch.zeros_like(w), torch.zeros_like(w)) for w in self.masters] if triton else None
-        self.opt = None if triton else torch.optim.AdamW(self.masters, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                                                         fused=self.masters[0].is_cuda)
-
-    @torch.no_grad()
-    def step(self) -> None:
-        if self.opt is not None:
-            for w, p in zip(self.masters, self.params):
-                w.grad = p.grad.float()
-            self.opt.step()
-            torch._foreach_copy_(self.params, self.masters)
-            return
-        self.steps += 1
-        (b1, b2), block, kernel = self.betas, 4096, _master_adamw_kernel()
-        bc1, bc2_sqrt = 1 - b1 ** self.steps, (1 - b2 ** self.steps) ** 0.5
-        for p, w, (m, v) in zip(self.params, self.masters, self.moments):
-            n = w.numel()
-            kernel[(-(-n // block),)](p, p.grad, w, m, v, n, self.lr, b1, b2, self.eps, 1 - self.lr * self.wd, bc1, bc2_sqrt, BLOCK=block)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for w, p in zip(self.masters, self.params):
-            w.grad = p.grad = None
-
-
 def learners(a, role: str) -> tuple:
     """(policy, critic, optimizer) of ``role`` 'policy', 'critic' or 'both' (the other None),
     compiled as ``--compile`` says, one fused AdamW over what they train (``--weights bf16``: bf16
@@ -295,7 +236,7 @@ def learners(a, role: str) -> tuple:
         for m in models:
             compile_as(m.rm if m is critic else m, a.compile)
     params = [p for m in models for p in m.parameters() if p.requires_grad]
-    opt = (MasterAdamW(params, lr=1e-7, triton=DEV == "cuda" and a.master_step == "triton") if bf16
+    opt = (MasterAdamW(params, lr=1e-7, weight_decay=0.01, triton=DEV == "cuda" and a.master_step == "triton") if bf16
            else torch.optim.AdamW(params, lr=1e-7, fused=DEV == "cuda"))
     return policy, critic, opt
 
@@ -388,7 +329,8 @@ def main() -> None:
     ap.add_argument("--weights", default="fp32", choices=["fp32", "bf16"], help="fp32: fp32 weights under bf16 autocast (the stage's "
                     "full-parameter learners); bf16: bf16 weights, fp32 masters in the optimizer (MasterAdamW)")
     ap.add_argument("--master-step", default="triton", choices=["triton", "torch"], help="--weights bf16 on CUDA: MasterAdamW's "
-                    "step as one Triton pass a parameter, or torch's (cast the gradients up, fused AdamW, copy the masters back)")
+                    "step as one Triton pass a parameter, or torch ops (the gradients cast up, AdamW's single-tensor ops on the masters, "
+                    "the masters copied back; until 2026-12-07's RESULTS, torch's fused AdamW on the masters)")
     ap.add_argument("--lora-actor", type=int, default=0, help="rank of a LoRA actor on a bf16 base (the stage's actor); 0: a full fp32-master policy")
     ap.add_argument("--lora-critic", type=int, default=0, help="rank of a LoRA critic on a frozen bf16 body (ppo.critic_lora_rank); 0: full fp32-master")
     ap.add_argument("--variants", default="rollout_order,bucket_by_length,packed256,packed512,packed1024,packed512_bucket",

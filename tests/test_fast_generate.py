@@ -417,7 +417,8 @@ def test_policy_worker_fast_rollouts_equal_plain_ones_before_and_after_learning(
     store, data, _, model = sft_adapter
     tok = load_tokenizer(model, str(store.fetch(data.key) / "tokenizer"))
     prompts = [r["prompt_ids"] for r in read_jsonl(store.fetch(data.key) / "prompts_eval.jsonl")][:12]
-    ppo = PPOConfig(rollout_batch_size=12, train_batch_size=12, max_new_tokens=16, actor_lr=0.05, ppo_epochs=2)
+    # fp32 learners on a GPU too (the fp32 model's, as train_ppo resolves ppo.learner_weights 'auto' for it): exact comparisons
+    ppo = PPOConfig(rollout_batch_size=12, train_batch_size=12, max_new_tokens=16, actor_lr=0.05, ppo_epochs=2, learner_weights="fp32")
     started = [_actor(m, sft_adapter, ppo, tok) for m in ("on", "off")]
     (_, _, fast_w), (_, _, plain_w) = started
     try:

@@ -22,7 +22,7 @@ from tasks.data.config import DataConfig
 from tasks.data.dataset import read_jsonl
 from tasks.data.prepare import prepare_data
 from tasks.ppo.checkpoint import latest_checkpoint
-from tasks.ppo.config import PPOConfig, resolve_placement
+from tasks.ppo.config import PPOConfig, resolve_learner_weights, resolve_placement
 from tasks.ppo.group import create_placement_groups
 from tasks.ppo.losses import FixedKLController
 from tasks.ppo.train import PPORun, PromptSampler, ppo_key, resolve_stop_ids, start_roles, stop_roles, train_ppo
@@ -75,6 +75,12 @@ def test_config_errors_name_field_value_and_fix():
     with pytest.raises(ValidationError, match=r"gpus_per_worker \(1.5\).*whole number"):
         PPOConfig(actor={"gpus_per_worker": 1.5})
     PPOConfig(rollout_batch_size=32, train_batch_size=8, actor={"num_workers": 2}, critic={"num_workers": 4})
+    with pytest.raises(ValidationError, match=r"learner_weights 'fp32' with ppo.strategy 'colossalai_zero2'.*use ppo.learner_weights 'auto'"):
+        PPOConfig(strategy="colossalai_zero2", learner_weights="fp32")
+    assert [PPOConfig(learner_weights=w).bf16_learners(d) for w in ("auto", "fp32", "bf16") for d in ("cuda", "cpu")] == \
+        [True, False, False, False, True, True]
+    assert [resolve_learner_weights(PPOConfig(learner_weights=w), d).learner_weights for w in ("auto", "bf16") for d in ("auto", "float32")] \
+        == ["auto", "fp32", "bf16", "bf16"]
 
 
 def test_compiled_blocks_compile_once_and_match_eager():
@@ -355,16 +361,51 @@ def test_packed_forwards_follow_the_unpacked_trajectory(stages, tmp_path):
                 assert b[k] == pytest.approx(v, **tol), (a["iteration"], k)
 
 
+@pytest.mark.slow
+def test_bf16_learners_under_fsdp_follow_ddp_and_export_fp32_masters(stages, tmp_path):
+    """ppo.learner_weights 'bf16' two ways on two workers per learner: DDP (bf16 parameters, the
+    masters in MasterAdamW, bf16 gradients all-reduced) and FSDP2 (fp32 shards gathered as bf16,
+    gradients reduced in fp32). Both compute in bf16, so they follow one trajectory to bf16's
+    rounding, and both export the adapter's fp32 masters (not their bf16 rounding)."""
+    _, _, data, sft, rm = stages
+    runs = {}
+    for strategy in ("ddp", "fsdp"):
+        store = copy_store(stages, tmp_path / strategy)
+        cfg = PPOConfig(num_iterations=2, rollout_batch_size=16, train_batch_size=4, eval_prompts=9, strategy=strategy,
+                        learner_weights="bf16", actor={"num_workers": 2}, critic={"num_workers": 2})
+        ref = train_ppo(cfg, MODEL, store, data, sft, rm, SEED)
+        runs[strategy] = (history(store, ref.key), adapter_weights(store, ref.key))
+    (hd, wd), (hf, wf) = runs["ddp"], runs["fsdp"]
+    start = adapter_weights(stages[1], sft.key)
+    norm = lambda d: float(sum(float(v.double().pow(2).sum()) for v in d.values())) ** 0.5  # noqa: E731
+    moved, moved_f = norm({k: wd[k] - start[k].float() for k in wd}), norm({k: wf[k] - start[k].float() for k in wd})
+    diff = norm({k: wd[k] - wf[k] for k in wd})
+    print(f"\nbf16 ddp vs fsdp: adapter diff norm {diff:.3e}, moved ddp {moved:.3e} fsdp {moved_f:.3e}")
+    assert wd.keys() == wf.keys() and all(v.dtype == torch.float32 for v in [*wd.values(), *wf.values()])
+    # fp32 masters: not every exported weight is a bf16 number
+    assert all(any(not torch.equal(v.to(torch.bfloat16).float(), v) for v in w.values()) for w in (wd, wf))
+    assert moved > 0.1 and diff < 0.15 * moved  # 2026-12-07, 2-core CPU: 0.037 of 0.578
+    assert hd[0]["eval/kl"] == hf[0]["eval/kl"] == 0.0  # the reference adapter computes in bf16 too
+    for a, b in zip(hd, hf):
+        for k, v in a.items():
+            if k.startswith(("ppo/", "eval/")) and isinstance(v, float):  # within 4% here (eval/kl of the last iteration)
+                assert b[k] == pytest.approx(v, rel=0.1, abs=0.02), (a["iteration"], k)
+
+
 # -- checkpoints -----------------------------------------------------------------------------------
 class Interrupted(RuntimeError):
     pass
 
 
 @pytest.mark.slow
-def test_resume_after_interruption_equals_uninterrupted_run(stages, tmp_path):
+@pytest.mark.parametrize("weights", ["auto", "bf16"])
+def test_resume_after_interruption_equals_uninterrupted_run(stages, tmp_path, weights):
+    """A run stopped after its checkpoint at iteration 2 resumes there and ends where the
+    uninterrupted run does; ``weights`` 'bf16' (ppo.learner_weights): the checkpoints carry the
+    fp32 masters and Adam moments of the bf16 weights (tasks/common/optim.py)."""
     _, _, data, sft, rm = stages
     cfg = PPOConfig(num_iterations=4, checkpoint_every=2, eval_every=2, rollout_batch_size=16, train_batch_size=8,
-                    kl_controller="adaptive", kl_target=2.0, kl_horizon=100)
+                    kl_controller="adaptive", kl_target=2.0, kl_horizon=100, learner_weights=weights)
     whole = copy_store(stages, tmp_path / "a")
     ref_a = train_ppo(cfg, MODEL, whole, data, sft, rm, SEED)
 
@@ -380,7 +421,11 @@ def test_resume_after_interruption_equals_uninterrupted_run(stages, tmp_path):
     assert latest_checkpoint(broken, key) == f"{key}-ckpt/iter-000002"
     shards = broken.manifest(latest_checkpoint(broken, key))["shards"]
     assert shards == {r: [f"{key}-ckpt/shards-000002/{r}-rank0"] for r in ("actor", "critic")}  # written by the workers
-    torch.load(broken.fetch(shards["actor"][0]) / "optimizer.pt", weights_only=True)
+    for role in ("actor", "critic"):
+        state = torch.load(broken.fetch(shards[role][0]) / "optimizer.pt", weights_only=True)["state"]
+        kinds = {k: v.dtype for s in state.values() for k, v in s.items() if k != "step"}
+        assert kinds == ({"master": torch.float32, "exp_avg": torch.float32, "exp_avg_sq": torch.float32} if weights == "bf16" else
+                         {"exp_avg": torch.float32, "exp_avg_sq": torch.float32}), (role, kinds)
     seen = []
     ref_b = train_ppo(cfg, MODEL, broken, data, sft, rm, SEED, on_iteration=lambda it, m: seen.append(it))
     assert seen == [3, 4]  # resumed at exactly iteration 2

@@ -376,12 +376,30 @@ def wants_compile(mode: str, device: str, model=None, strategy: str = "ddp") -> 
     return device == "cuda" and (model is None or sum(p.numel() for p in model.parameters()) >= COMPILE_AUTO_MIN_PARAMS)
 
 
-def wrap_learner(model, lr: float, strategy: str, device: str, max_norm: float = 1.0, offload: str = "seed"):
+def fp32_all_reduce(state, bucket):
+    """DDP communication hook: a bucket of bf16 gradients averaged across ranks in fp32 (DDP's own
+    hook sums in the bucket's dtype), written back rounded, as FSDP's ``reduce_dtype`` fp32 does."""
+    import torch.distributed as dist
+
+    grads = bucket.buffer()
+    wide = grads.float().div_(dist.get_world_size())
+
+    def written_back(fut):
+        return grads.copy_(fut.value()[0])
+
+    return dist.all_reduce(wide, async_op=True).get_future().then(written_back)
+
+
+def wrap_learner(model, lr: float, strategy: str, device: str, max_norm: float = 1.0, offload: str = "seed", bf16: bool = False):
     """(model to train, optimizer, model to run inference on) for one learner rank.
 
     ddp: DistributedDataParallel; inference (generation) runs on the unwrapped module, with no
     collectives. fsdp: FSDP2 ``fully_shard`` per block and at the root; every forward gathers
     parameters, so all ranks must run the same number of forwards (see ``agree_finished``).
+    ``bf16`` (``PPOConfig.bf16_learners``): ddp casts the parameters to bf16, steps fp32 masters of
+    the trainable ones (``MasterAdamW``) and averages the bf16 gradients in fp32
+    (``fp32_all_reduce``); fsdp keeps fp32 shards as the masters, gathers them as bf16 and reduces
+    the gradients in fp32 (``MixedPrecisionPolicy``).
     colossalai_*: Booster with LowLevelZeroPlugin (stage 2) or GeminiPlugin, HybridAdam, bf16 (seed);
     ``offload`` (ppo.colossalai_offload) 'seed' offloads the optimizer state (ZeRO-2) or the
     parameters and the optimizer state (Gemini) to the CPU, 'optimizer' only the optimizer
@@ -398,14 +416,22 @@ def wrap_learner(model, lr: float, strategy: str, device: str, max_norm: float =
     if strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        wrapped = DDP(model, device_ids=[0] if device == "cuda" else None)
-        return wrapped, torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=lr), model
-    if strategy == "fsdp":
-        from torch.distributed.fsdp import fully_shard
+        from tasks.common.optim import MasterAdamW, params_to_bf16
 
+        if bf16:
+            params_to_bf16(model)  # before DDP: its buckets take the parameters' dtype
+        wrapped = DDP(model, device_ids=[0] if device == "cuda" else None)
+        if bf16:
+            wrapped.register_comm_hook(None, fp32_all_reduce)
+        params = [p for p in model.parameters() if p.requires_grad]
+        return wrapped, MasterAdamW(params, lr=lr) if bf16 else torch.optim.Adam(params, lr=lr), model
+    if strategy == "fsdp":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
         for unit in transformer_blocks(model):
-            fully_shard(unit)
-        fully_shard(model)
+            fully_shard(unit, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
         return model, torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=lr), model
     # every ColossalAI import of this project is in this module: colossalai_imports() reads them
     # from here for the preflight check, so a new one is checked the day it is written
@@ -578,8 +604,16 @@ def full_state(model, optimizer=None, strategy: str = "ddp", with_optimizer: boo
         return _colossalai_full_state(model, optimizer, strategy, with_optimizer)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
+    from tasks.common.optim import MasterAdamW
+
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
     weights = get_model_state_dict(model, options=opts)
+    if isinstance(optimizer, MasterAdamW) and weights:  # (rank 0's: full and on the CPU, the others get none)
+        # ddp's bf16 weights are their fp32 masters rounded: the trained weights are the masters
+        names = {id(p): n for n, p in getattr(model, "module", model).named_parameters()}
+        masters = {names[id(p)]: m.cpu() for p, m in optimizer.masters()}
+        assert masters.keys() <= weights.keys(), f"masters not among the weights: {sorted(masters.keys() - weights.keys())[:3]}"
+        weights |= masters
     optim = get_optimizer_state_dict(model, optimizer, options=opts) if optimizer is not None and with_optimizer else None
     return weights, optim
 

@@ -28,9 +28,10 @@ would give the pretrained base, not the SFT policy this pipeline starts PPO from
 Learners run in eval mode: dropout (the SFT adapter's LoRA dropout) stays off, so log-probs at
 learning time match the rollout's (TRL disables dropout in PPO for the same reason).
 
-On CUDA the scoring and learning forwards run under bf16 autocast (fp32 master weights for the
-critic, fp32 LoRA for the actor; generation runs in the weights' dtype), and with ``ppo.compile``
-the learners' transformer blocks are ``torch.compile``d.
+On CUDA the scoring and learning forwards run under bf16 autocast; the learners' trainable
+weights are bf16 with fp32 masters in the optimizer (``ppo.learner_weights`` 'auto' / 'bf16',
+``group.wrap_learner``) or fp32 ('fp32'); generation runs in the weights' dtype. With
+``ppo.compile`` the learners' transformer blocks are ``torch.compile``d.
 """
 
 from __future__ import annotations
@@ -208,7 +209,7 @@ class PolicyWorker(_LearnerMixin, DistributedWorker):
         if wants_compile(ppo.compile, self.device, peft, self.strategy):
             compile_blocks(peft)
         self.model, self.optim, self.infer_model = wrap_learner(peft, ppo.actor_lr, self.strategy, self.device, ppo.max_grad_norm,
-                                                                      ppo.colossalai_offload)
+                                                                      ppo.colossalai_offload, ppo.bf16_learners(self.device))
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.all_finished = agree_finished(self.strategy, self.device)
         # sampling draws on the device the logits are on (torch.multinomial needs a generator there)
@@ -361,6 +362,10 @@ class ReferenceWorker(DistributedWorker):
         self.ppo = ppo
         base = load_causal_lm(model_cfg, self.device)
         self.model = PeftModel.from_pretrained(base, str(store.fetch(sft) / "adapter")).eval().requires_grad_(False)
+        if ppo.bf16_learners(self.device):  # as the actor's weights (group.wrap_learner): no KL before the first step
+            from tasks.common.optim import params_to_bf16
+
+            params_to_bf16(self.model)
         self.rows = logit_rows(ppo.train_batch_size, ppo.max_new_tokens, base.config.vocab_size)
 
     def _logprobs(self, rollout) -> Tensor:
@@ -486,7 +491,7 @@ class CriticWorker(_LearnerMixin, DistributedWorker):
             compile_blocks(rm)
         self.values_module = _Values(rm, ppo.pack_tokens)  # unwrapped: its ``inputs`` lays out the forwards on the CPU
         self.model, self.optim, self.infer_model = wrap_learner(self.values_module, ppo.critic_lr, self.strategy, self.device, ppo.max_grad_norm,
-                                                                      ppo.colossalai_offload)
+                                                                      ppo.colossalai_offload, ppo.bf16_learners(self.device))
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.learn_gen = torch.Generator().manual_seed(self.seed * 7919 + 202 + self.rank)
 

@@ -23,7 +23,7 @@ from tasks.common.model import ModelConfig, check_model_exists, load_tokenizer, 
 from tasks.common.tracking import Tracker, TrackingConfig
 from tasks.data.dataset import read_jsonl
 from tasks.ppo.checkpoint import latest_checkpoint, load_checkpoint, publish_final, save_checkpoint
-from tasks.ppo.config import DECODE_KERNELS, LEARNERS, PPOConfig, check_gpu_fit, resolve_placement
+from tasks.ppo.config import DECODE_KERNELS, LEARNERS, PPOConfig, check_gpu_fit, resolve_learner_weights, resolve_placement
 from tasks.ppo.fast_generate import check_fast_generate
 from tasks.ppo.group import (RoleGroup, check_cluster, colossalai_imports, colossalai_problem, import_failure, role_bundles,
                              role_device, start_roles_on_live_nodes)
@@ -146,7 +146,7 @@ def train_ppo(cfg: PPOConfig, model: ModelConfig, store: ArtifactStore, data: Ar
     if not ray.is_initialized():
         ray.init(address=os.environ.get("RAY_ADDRESS"))
     gpus = ray.cluster_resources().get("GPU", 0.0)
-    cfg = resolve_placement(cfg, gpus)
+    cfg = resolve_learner_weights(resolve_placement(cfg, gpus), model.dtype)
     check_ppo(cfg)
     check_cluster(cfg)
     check_gpu_fit(cfg, gpus, "the Ray cluster")
