@@ -16,7 +16,9 @@ MLP 2816, with the built-in 512-token vocabulary instead of 32000, so 0.31B para
 with the built-in tokenizer as a local ``model.pretrain``, short SFT / RM, and PPO at batch 64
 with 64 new tokens (ppo.compile 'auto': the learners' blocks compiled); ``0.3b-plain`` is the
 same PPO with ppo.fast_generate 'off', ``0.3b-unpacked`` with ppo.pack_tokens 0, ``0.3b-eager`` with ppo.compile 'off', ``0.3b-fsdp`` with
-ppo.strategy 'fsdp', ``0.3b-fp32`` with model.dtype 'float32' (both eager), ``0.3b-anomaly`` is
+ppo.strategy 'fsdp', ``0.3b-fp32`` with model.dtype 'float32' and ppo.learner_weights 'fp32' (both
+eager), ``0.3b-fp32w`` with ppo.learner_weights 'fp32' (fp32 trainable weights under autocast;
+``0.3b``'s are bf16 with fp32 masters, the 'auto' on CUDA), ``0.3b-anomaly`` is
 ``0.3b-eager`` with ppo.detect_anomaly (the first backward op that returns a NaN raises with the
 forward line that made it: how issue 18's NaN was found).
 """
@@ -70,7 +72,7 @@ def random_llama(folder: str, shape: str = "0.4b") -> str:
     return folder
 
 
-def runs(device: str, iters: int | None, big_model: str | None, pack_tokens: int | None = None) -> dict[str, tuple]:
+def runs(device: str, iters: int | None, big_model: str | None, pack_tokens: int | None = None, train_batch: int = 16) -> dict[str, tuple]:
     """name -> (model, SFTConfig, RewardConfig, PPOConfig)."""
     gpus = 0.25 if device == "cuda" else 0.0
     common = {r: {"gpus_per_worker": gpus, "cpus_per_worker": 1.0} for r in ROLES}
@@ -83,7 +85,7 @@ def runs(device: str, iters: int | None, big_model: str | None, pack_tokens: int
     if big_model is not None:
         big_iters = iters or 4
         big = PPOConfig(device=device, colocate=True, num_iterations=big_iters, eval_every=big_iters,
-                        checkpoint_every=big_iters, rollout_batch_size=64, train_batch_size=16, max_new_tokens=64,
+                        checkpoint_every=big_iters, rollout_batch_size=64, train_batch_size=train_batch, max_new_tokens=64,
                         eval_prompts=16, actor_lr=1e-5, critic_lr=1e-5, **common)
         model = ModelConfig(pretrain=big_model)
         sft = SFTConfig(device=device, max_steps=30, eval_every=30)
@@ -93,7 +95,9 @@ def runs(device: str, iters: int | None, big_model: str | None, pack_tokens: int
         out["0.3b-unpacked"] = (model, sft, rm, big.model_copy(update={"pack_tokens": 0}))
         out["0.3b-eager"] = (model, sft, rm, big.model_copy(update={"compile": "off"}))
         out["0.3b-fsdp"] = (model, sft, rm, big.model_copy(update={"strategy": "fsdp", "compile": "off"}))
-        out["0.3b-fp32"] = (model.model_copy(update={"dtype": "float32"}), sft, rm, big.model_copy(update={"compile": "off"}))
+        out["0.3b-fp32"] = (model.model_copy(update={"dtype": "float32"}), sft, rm,
+                            big.model_copy(update={"compile": "off", "learner_weights": "fp32"}))
+        out["0.3b-fp32w"] = (model, sft, rm, big.model_copy(update={"learner_weights": "fp32"}))
         out["0.3b-anomaly"] = (model, sft, rm, big.model_copy(update={"compile": "off", "detect_anomaly": True}))
     return out
 
@@ -154,14 +158,14 @@ def run_one(name, model, sft_cfg, rm_cfg, ppo_cfg, store, stats: RoleStats) -> d
 
 
 def table(results: dict) -> str:
-    rows = ["| run | rollout | ppo.compile | s/iter (steady) | generate | score | learn | samples/s | first iter s | peak GiB actor / critic / initial / reward (GPU allocated; on CPU, process RSS) |",
-            "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    rows = ["| run | rollout | ppo.compile | learner weights | s/iter (steady) | generate | score | learn | samples/s | first iter s | peak GiB actor / critic / initial / reward (GPU allocated; on CPU, process RSS) |",
+            "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for name, r in results.items():
         m = r["steady_mean_s"]
         peaks = " / ".join(f"{r['roles'][k][0].get('peak_allocated_gib', r['roles'][k][0].get('peak_rss_gib', 0)):.2f}" if r["roles"][k] and r["roles"][k][0] else "-"
                            for k in ROLES)
         used = "graph" if r["rollout"]["cuda_graphs"] else ("eager" if r["rollout"]["fast_generate"] else "off")
-        rows.append(f"| {name} | {used} | {r['ppo']['compile']} | {m['iteration']:.3f} | {m['generate']:.3f} | {m['score']:.3f} | "
+        rows.append(f"| {name} | {used} | {r['ppo']['compile']} | {r['ppo'].get('learner_weights', 'fp32')} | {m['iteration']:.3f} | {m['generate']:.3f} | {m['score']:.3f} | "
                     f"{m['learn']:.3f} | {r['samples_per_s']:.1f} | {r['first_iteration_s']:.1f} | {peaks} |")
     return "\n".join(rows)
 
@@ -169,10 +173,11 @@ def table(results: dict) -> str:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    ap.add_argument("--runs", default="tiny,0.3b,0.3b-plain", help="comma-separated: tiny, 0.3b, 0.3b-plain, 0.3b-unpacked, 0.3b-eager, 0.3b-fsdp, 0.3b-fp32, 0.3b-anomaly")
+    ap.add_argument("--runs", default="tiny,0.3b,0.3b-plain", help="comma-separated: tiny, 0.3b, 0.3b-plain, 0.3b-unpacked, 0.3b-eager, 0.3b-fsdp, 0.3b-fp32, 0.3b-fp32w, 0.3b-anomaly")
     ap.add_argument("--iters", type=int, default=None, help="PPO iterations per run (default: tiny 10, 0.3b 4)")
     ap.add_argument("--big-shape", default="0.4b", choices=sorted(SHAPES), help="bench/common.py shape of the 0.3b runs (tiny: smoke run)")
     ap.add_argument("--pack-tokens", type=int, default=None, help="ppo.pack_tokens of every run (default: the config's)")
+    ap.add_argument("--train-batch-size", type=int, default=16, help="ppo.train_batch_size of the 0.3b runs (rows an optimizer step; 64 = one step an epoch)")
     ap.add_argument("--out", default="bench/results/ppo_stage_gpu.json")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -185,7 +190,7 @@ def main():
     ray.init(num_gpus=1 if args.device == "cuda" else 0, num_cpus=8, include_dashboard=False)
     store = ArtifactStore(f"file://{os.path.join(work, 'store')}")
     stats = RoleStats()
-    plan = runs(args.device, args.iters, big, args.pack_tokens)
+    plan = runs(args.device, args.iters, big, args.pack_tokens, args.train_batch_size)
     results = {}
     failed = {}
     for name in names:
