@@ -18,6 +18,7 @@ equal AdamW's on fp32 copies exactly. With ``weight_decay`` 0 (the PPO learners'
 from __future__ import annotations
 
 import functools
+import importlib.util
 
 import torch
 
@@ -50,6 +51,11 @@ def _kernel():
     return kernel
 
 
+@functools.cache
+def _has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
 def params_to_bf16(model: torch.nn.Module) -> None:
     """Every floating-point parameter of ``model`` to bf16, in place, trainable or frozen (a
     policy's frozen KL-reference adapter computes as its trainable twin does); buffers (RoPE's
@@ -61,7 +67,8 @@ def params_to_bf16(model: torch.nn.Module) -> None:
 
 class MasterAdamW(torch.optim.Optimizer):
     """AdamW (decoupled weight decay) on fp32 masters of the parameters (module docstring).
-    ``triton``: the fused step; None = on where the parameters are on CUDA."""
+    ``triton``: the fused step (True also on CPU tensors, in Triton's interpreter); None = where
+    the parameters are on CUDA and triton is installed."""
 
     def __init__(self, params, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, triton: bool | None = None):
@@ -88,7 +95,7 @@ class MasterAdamW(torch.optim.Optimizer):
                 step = float(s["step"])
                 bc1, bc2_sqrt = 1 - b1 ** step, (1 - b2 ** step) ** 0.5
                 w, m, v = s["master"], s["exp_avg"], s["exp_avg_sq"]
-                if self.triton if self.triton is not None else p.is_cuda:
+                if self.triton if self.triton is not None else p.is_cuda and _has_triton():
                     n = w.numel()
                     _kernel()[(-(-n // BLOCK),)](p, p.grad, w, m, v, n, lr, b1, 1 - b1, b2, 1 - b2, eps, 1 - lr * wd, bc1, bc2_sqrt,
                                                  BLOCK=BLOCK)

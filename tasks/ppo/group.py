@@ -421,7 +421,7 @@ def wrap_learner(model, lr: float, strategy: str, device: str, max_norm: float =
         if bf16:
             params_to_bf16(model)  # before DDP: its buckets take the parameters' dtype
         wrapped = DDP(model, device_ids=[0] if device == "cuda" else None)
-        if bf16:
+        if bf16 and torch.distributed.get_world_size() > 1:  # (one rank: nothing to average, no copies)
             wrapped.register_comm_hook(None, fp32_all_reduce)
         params = [p for p in model.parameters() if p.requires_grad]
         return wrapped, MasterAdamW(params, lr=lr) if bf16 else torch.optim.Adam(params, lr=lr), model

@@ -28,8 +28,8 @@ would give the pretrained base, not the SFT policy this pipeline starts PPO from
 Learners run in eval mode: dropout (the SFT adapter's LoRA dropout) stays off, so log-probs at
 learning time match the rollout's (TRL disables dropout in PPO for the same reason).
 
-On CUDA the scoring and learning forwards run under bf16 autocast; the learners' trainable
-weights are bf16 with fp32 masters in the optimizer (``ppo.learner_weights`` 'auto' / 'bf16',
+On CUDA the scoring and learning forwards run under bf16 autocast; the learners' weights are
+bf16 with fp32 masters of the trainable ones in the optimizer (``ppo.learner_weights`` 'auto' / 'bf16',
 ``group.wrap_learner``) or fp32 ('fp32'); generation runs in the weights' dtype. With
 ``ppo.compile`` the learners' transformer blocks are ``torch.compile``d.
 """
