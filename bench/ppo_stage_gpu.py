@@ -6,8 +6,8 @@
 Each run is prepare_data -> train_sft -> train_reward_model -> train_ppo (the stage functions the
 flow calls) in a local Ray with one GPU, with ppo.device cuda, ppo.colocate true and every role at
 gpus_per_worker 0.25 (one placement group, bundle {CPU: 4, GPU: 1}). Reported per run: the
-per-iteration time split (generate / score / learn, as train_ppo measures it), samples/s, the
-peak GPU memory of each role's actor process (torch.cuda.max_memory_allocated, read just before
+per-iteration time split (generate / score / learn, as train_ppo measures it), the real tokens
+each learner passed over a second (``time/learn_tokens_per_s``), samples/s, the peak GPU memory of each role's actor process (torch.cuda.max_memory_allocated, read just before
 the roles stop) and which rollout path the actor took (ppo.fast_generate 'auto').
 
 Runs: ``tiny`` is the built-in model with the default stage configs (the CPU test's run, 10
@@ -138,7 +138,8 @@ def run_one(name, model, sft_cfg, rm_cfg, ppo_cfg, store, stats: RoleStats) -> d
     ref = ppo_train.train_ppo(ppo_cfg, model, store, data, sft, rm, SEED, on_iteration=lambda it, m: iters.append(m))
     t["train_ppo_s"] = time.perf_counter() - t0
     summary = store.manifest(ref.key)["metrics"]
-    split = [{k: m[f"time/{k}_s"] for k in ("generate", "score", "learn", "iteration")} for m in iters]
+    split = [{**{k: m[f"time/{k}_s"] for k in ("generate", "score", "learn", "iteration")},
+              "learn_tokens_per_s": m["time/learn_tokens_per_s"], "tokens": m["ppo/tokens"]} for m in iters]
     # iteration 1 holds the graph capture / first-call costs; with compiled blocks, iteration 2 the
     # recompilation for a second shape (which marks the varying dimensions dynamic)
     steady = split[2:] if len(split) > 3 else split[1:] or split
@@ -158,15 +159,15 @@ def run_one(name, model, sft_cfg, rm_cfg, ppo_cfg, store, stats: RoleStats) -> d
 
 
 def table(results: dict) -> str:
-    rows = ["| run | rollout | ppo.compile | learner weights | s/iter (steady) | generate | score | learn | samples/s | first iter s | peak GiB actor / critic / initial / reward (GPU allocated; on CPU, process RSS) |",
-            "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    rows = ["| run | rollout | ppo.compile | learner weights | s/iter (steady) | generate | score | learn | learn real tok/s | samples/s | first iter s | peak GiB actor / critic / initial / reward (GPU allocated; on CPU, process RSS) |",
+            "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for name, r in results.items():
         m = r["steady_mean_s"]
         peaks = " / ".join(f"{r['roles'][k][0].get('peak_allocated_gib', r['roles'][k][0].get('peak_rss_gib', 0)):.2f}" if r["roles"][k] and r["roles"][k][0] else "-"
                            for k in ROLES)
         used = "graph" if r["rollout"]["cuda_graphs"] else ("eager" if r["rollout"]["fast_generate"] else "off")
         rows.append(f"| {name} | {used} | {r['ppo']['compile']} | {r['ppo'].get('learner_weights', 'fp32')} | {m['iteration']:.3f} | {m['generate']:.3f} | {m['score']:.3f} | "
-                    f"{m['learn']:.3f} | {r['samples_per_s']:.1f} | {r['first_iteration_s']:.1f} | {peaks} |")
+                    f"{m['learn']:.3f} | {m['learn_tokens_per_s']:,.0f} | {r['samples_per_s']:.1f} | {r['first_iteration_s']:.1f} | {peaks} |")
     return "\n".join(rows)
 
 

@@ -212,6 +212,9 @@ def test_ppo_raises_reward_and_true_score_with_bounded_kl(stages):
     for k in ("reward_mean", "reward_std", "kl", "entropy", "policy_loss", "value_loss", "clip_fraction",
               "response_length", "kl_coef"):
         assert all(torch.isfinite(torch.tensor(h[f"ppo/{k}"])) for h in steps), k
+    # real tokens: every row's prompt and response, no padding; the learners' rate over ppo_epochs passes
+    assert all(cfg.rollout_batch_size * h["ppo/response_length"] < h["ppo/tokens"] <= cfg.rollout_batch_size * (32 + cfg.max_new_tokens) for h in steps)
+    assert all(h["time/learn_tokens_per_s"] == pytest.approx(h["ppo/tokens"] * cfg.ppo_epochs / h["time/learn_s"], rel=1e-3) for h in steps)
     assert train_ppo(cfg, MODEL, store, data, sft, rm, SEED) == ref  # published: found again, not retrained
 
     # tensorboard/ in the artifact, read with TensorBoard's reader, holds every scalar of metrics.jsonl

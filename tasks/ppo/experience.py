@@ -117,6 +117,7 @@ def make_experience(ppo: PPOConfig, kl_coef: float, n: int, *parts) -> tuple:
         "reward_mean": float(score.mean()), "reward_std": float(score.std()) if len(score) > 1 else 0.0,
         "kl": float((masked_mean(kl, mask, dim=1) * mask.sum(1)).mean()), "entropy": float(masked_mean(ent, mask)),
         "response_length": float(mask.sum(1).mean()),
+        "tokens": float(batch.attention_mask.sum()),  # real tokens, prompts and responses: what the learners' forwards compute
         "eos_fraction": float(torch.cat([ro.ended_with_eos for ro in rollouts]).float().mean()),
         "return_mean": float(masked_mean(ret, mask)),
     }

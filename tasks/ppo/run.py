@@ -114,7 +114,8 @@ class PPORun:
             learn.update({k: sum(s[k] for s in c_stats) / len(c_stats) for k in c_stats[0]})
         m = {"iteration": it, **{f"ppo/{k}": v for k, v in {**stats, **learn}.items()}, "ppo/kl_coef": kl_coef,
              "time/generate_s": t_gen - t0, "time/score_s": t_score - t_gen, "time/learn_s": t_learn - t_score,
-             "time/iteration_s": t_learn - t0}
+             "time/iteration_s": t_learn - t0,
+             "time/learn_tokens_per_s": stats["tokens"] * cfg.ppo_epochs / (t_learn - t_score)}  # each learner's real tokens
         log.info("ppo %d/%d reward %.3f±%.3f kl %.3f entropy %.2f policy_loss %.4f value_loss %s clip %.3f len %.1f "
                  "| gen %.2fs score %.2fs learn %.2fs", it, cfg.num_iterations, m["ppo/reward_mean"], m["ppo/reward_std"],
                  m["ppo/kl"], m["ppo/entropy"], m["ppo/policy_loss"], f"{m['ppo/value_loss']:.4f}" if "ppo/value_loss" in m else "-",
