@@ -3,6 +3,7 @@
     python3 bench/kernel_checks.py master-adamw     # CUDA: MasterAdamW's Triton step against torch's AdamW
     python3 bench/kernel_checks.py linear-accuracy  # CUDA: the split-K linear at the 8B layer's shapes, M = 64
     TRITON_INTERPRET=1 python3 bench/kernel_checks.py head-layout   # CPU: FastGenerator at the 8B head layout
+    python3 bench/kernel_checks.py decode-logits 8b  # CUDA: each path's greedy tokens against the fp32 model
 
 master-adamw: tasks/common/optim.py's ``MasterAdamW`` (the Triton step) and torch's AdamW on fp32
 copies take the same 3 steps of random bf16 gradients on 3 tensors; per tensor the largest master
@@ -18,6 +19,10 @@ head-layout: a 2-layer Llama with the 8B layer's head layout (head_dim 128, 4 qu
 head, d 512, weights of std 0.08, fp32, eager) decodes 12 greedy tokens of tests/test_fast_generate.py's
 4 left-padded rows with every pairing of attention (sdpa / triton) and linears (cublas / triton);
 the share of tokens equal to sdpa + cublas's.
+
+decode-logits SHAPE: ``decode_logits``'s docstring (settles whether the split-K path's greedy
+tokens part from cuBLAS's on near-ties, RESULTS' ninth session). On CPU (in Triton's interpreter)
+a smoke run at 4 rows, 16 + 8 tokens.
 """
 
 from __future__ import annotations
@@ -99,8 +104,56 @@ def head_layout() -> None:
     print("sdpa + cublas's new tokens:", base[:, -12:].tolist())
 
 
+def decode_logits(shape: str) -> None:
+    """Whether FastGenerator's greedy tokens follow the fp32 model, with each kind of linear.
+
+    A random-weight Llama of ``shape`` (bench/common.py, seed 0) in bf16 decodes 64 rows of 128
+    random prompt tokens for 128 new tokens (Triton attention, greedy, no EOS) with cuBLAS's and
+    with the split-K linears; the same weights in fp32 then score each path's own sequence,
+    teacher-forced (plain HF forward, eager attention). Per path: how often its token is the fp32
+    argmax given the same prefix, and where it is not, the fp32 logit it gave up (max minus the
+    chosen token's) beside the logits' spread. Tokens that part between the paths because of
+    near-ties give up little: a token each path chose that the fp32 model ranks far lower would
+    be an error of that path."""
+    from bench.common import build_policy, shape_vocab
+    from tasks.ppo.fast_generate import FastGenerator
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    vocab = shape_vocab(shape)
+    ref = build_policy(shape, dev, torch.float32, vocab=vocab).eval()
+    ref.config._attn_implementation = "eager"
+    model = build_policy(shape, dev, torch.bfloat16, vocab=vocab).eval()
+    rows, prompt, new = (64, 128, 128) if dev == "cuda" else (4, 16, 8)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, vocab, (rows, prompt), generator=g).to(dev)
+    mask = torch.ones_like(ids)
+    seqs = {}
+    for lin in ("cublas", "triton"):
+        fg = FastGenerator(model, max_batch=rows, max_len=prompt + new, attention="triton", linear=lin)
+        seqs[lin] = fg.generate(ids, mask, max_new_tokens=new, eos_token_id=-1, pad_token_id=0, greedy=True).sequences
+        del fg
+    print("tokens equal between the paths:", (seqs["cublas"][:, prompt:] == seqs["triton"][:, prompt:]).float().mean().item())
+    del model
+    for lin, s in seqs.items():
+        agree, regret, spread = [], [], []
+        with torch.no_grad():
+            for i in range(0, rows, 8):
+                logits = ref(s[i:i + 8, :-1]).logits[:, prompt - 1:].float()  # predicting the new tokens
+                chosen = s[i:i + 8, prompt:]
+                top = logits.max(-1).values
+                agree.append(logits.argmax(-1) == chosen)
+                regret.append(top - logits.gather(-1, chosen[..., None])[..., 0])
+                spread.append(logits.std(-1))
+        agree, regret, spread = torch.cat(agree), torch.cat(regret), torch.cat(spread)
+        miss = regret[~agree]
+        print(f"{shape} {lin}: fp32 argmax in {agree.float().mean().item():.4f} of {agree.numel()} tokens; where not, "
+              f"the fp32 logit given up: median {miss.median().item() if miss.numel() else 0:.4f}, "
+              f"max {miss.max().item() if miss.numel() else 0:.4f} (the logits' std: median {spread.median().item():.3f})", flush=True)
+
+
 if __name__ == "__main__":
-    checks = {"master-adamw": master_adamw, "linear-accuracy": linear_accuracy, "head-layout": head_layout}
-    if len(sys.argv) != 2 or sys.argv[1] not in checks:
-        raise SystemExit(f"usage: {sys.argv[0]} {{{','.join(checks)}}}")
-    checks[sys.argv[1]]()
+    checks = {"master-adamw": master_adamw, "linear-accuracy": linear_accuracy, "head-layout": head_layout,
+              "decode-logits": decode_logits}
+    if len(sys.argv) not in (2, 3) or sys.argv[1] not in checks:
+        raise SystemExit(f"usage: {sys.argv[0]} {{{','.join(checks)}}} [shape, decode-logits only]")
+    checks[sys.argv[1]](*sys.argv[2:])
