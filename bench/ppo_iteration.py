@@ -14,7 +14,8 @@ run (no triton, no CUDA, a compile error) is recorded as an error string, not ra
 
 Learn: the PPO stage's own functions (``action_logprobs`` with the clipped policy loss on the
 policy, ``RewardModel.values`` with the clipped value loss on the critic), bf16 autocast over
-fp32 master weights, fused AdamW; eager, then with ``compile_blocks`` (the ``ppo.compile`` path),
+fp32 master weights, fused AdamW (``--weights bf16``: bf16 weights with fp32 masters in
+tasks/common/optim.py's MasterAdamW, the stage's default on CUDA); eager, then with ``compile_blocks`` (the ``ppo.compile`` path),
 in the same run. Iteration: rollout + old / ref log-probs + values + reward + GAE + one learn
 step (one epoch, one minibatch: what bench/trl_ppo.py runs in TRL), samples/s and the split.
 """
@@ -34,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import (H200_BF16_DENSE_TFLOPS, build_policy, build_value_model, copy_gbps,  # noqa: E402
                           machine, matmul_tflops, n_params, peak_gib, profile_top, reset_peak, shape_vocab, sync, timed,
                           train_flops, workload_args, write_json)
+from tasks.common.optim import MasterAdamW, params_to_bf16  # noqa: E402
 from tasks.ppo.fast_generate import FastGenerator  # noqa: E402
 from tasks.ppo.generation import action_logprobs, generate  # noqa: E402
 from tasks.ppo.group import compile_blocks  # noqa: E402
@@ -260,6 +262,9 @@ def main() -> None:
     ap.add_argument("--minibatch", type=int, default=None, help="rows per optimizer step in the learn bench and the iteration (default: the whole batch)")
     ap.add_argument("--attention", default="", help="decode attention variants to time side by side on the bf16 policy, "
                     "comma-separated FastGenerator attention= values (e.g. sdpa,triton)")
+    ap.add_argument("--weights", default="fp32", choices=["fp32", "bf16"], help="the learners' weights: fp32 under bf16 autocast "
+                    "(TRL's way; the stage's before ppo.learner_weights), or bf16 with fp32 masters in MasterAdamW (the stage's default on "
+                    "CUDA, ppo.learner_weights 'auto'); cast after the rollout baselines")
     ap.add_argument("--pack-tokens", type=int, default=0, help="ppo.pack_tokens of the learn and scoring forwards (0: unpacked, the attended columns)")
     a = ap.parse_args()
     a.vocab = a.vocab or shape_vocab(a.shape)
@@ -294,8 +299,12 @@ def main() -> None:
         torch.cuda.empty_cache()
 
     # ---- learn phase: eager, then compiled blocks (ppo.compile), same models and optimizer
+    res["weights"] = a.weights
+    if a.weights == "bf16":  # as group.wrap_learner does for ppo.learner_weights 'bf16'
+        params_to_bf16(policy), params_to_bf16(critic)
     trainable = [p for p in list(policy.parameters()) + list(critic.parameters()) if p.requires_grad]
-    opt = torch.optim.AdamW(trainable, lr=1e-6, fused=DEV == "cuda")
+    opt = (MasterAdamW(trainable, lr=1e-6, weight_decay=0.01) if a.weights == "bf16"
+           else torch.optim.AdamW(trainable, lr=1e-6, fused=DEV == "cuda"))
     fg = FastGenerator(policy, max_batch=B, max_len=P + N, dtype=torch.bfloat16)
     kw = dict(max_new_tokens=N, eos_token_id=-1, pad_token_id=PAD, temperature=1.0, top_k=0, top_p=1.0)  # as TRL's run: no EOS
     exp = make_experience(policy, ref, critic, rm, fg.generate(prompts, attn, **kw), N)
@@ -304,7 +313,7 @@ def main() -> None:
     res["compiled_blocks"] = compile_blocks(policy) + compile_blocks(critic)
     bench_learn(policy, critic, opt, exp, a, res, "learn_compiled")
     res["weight_sync"] = {"refresh_after_optimizer_step_s": statistics.median(time_reps(fg.refresh_weights, 3)),
-                          "note": "fp32 master -> packed bf16 decode weights, in place"}
+                          "note": f"{a.weights} weights -> packed bf16 decode weights, in place"}
 
     # ---- full iteration: samples/s and split
     from torch._dynamo.utils import counters
