@@ -7,7 +7,8 @@ Each run is prepare_data -> train_sft -> train_reward_model -> train_ppo (the st
 flow calls) in a local Ray with one GPU, with ppo.device cuda, ppo.colocate true and every role at
 gpus_per_worker 0.25 (one placement group, bundle {CPU: 4, GPU: 1}). Reported per run: the
 per-iteration time split (generate / score / learn, as train_ppo measures it), the real tokens
-each learner passed over a second (``time/learn_tokens_per_s``), samples/s, the peak GPU memory of each role's actor process (torch.cuda.max_memory_allocated, read just before
+each learner passed over a second (``time/learn_tokens_per_s``) and, for the 0.3b runs, the
+learn phase's useful-token MFU (``learn_mfu``), samples/s, the peak GPU memory of each role's actor process (torch.cuda.max_memory_allocated, read just before
 the roles stop) and which rollout path the actor took (ppo.fast_generate 'auto').
 
 Runs: ``tiny`` is the built-in model with the default stage configs (the CPU test's run, 10
@@ -122,7 +123,24 @@ class RoleStats:
             self._stop(groups, pgs)
 
 
-def run_one(name, model, sft_cfg, rm_cfg, ppo_cfg, store, stats: RoleStats) -> dict:
+def learn_mfu(shape: str, ppo: PPOConfig, m: dict) -> float:
+    """The learn phase's useful-token MFU in one iteration's metrics: bench/useful_mfu.py's count
+    (bench/common.py ``train_flops``) for the stage's learners, a LoRA actor on a frozen base (LM
+    head at the action positions) and a full-parameter critic, over ``ppo_epochs`` passes of the
+    rollout's real tokens (``ppo/tokens``; a row's mean length as the attention span), against
+    the datasheet peak. Actor and critic share the GPU, so their FLOPs add up in one learn time."""
+    from bench.common import H200_BF16_DENSE_TFLOPS, llama_config, train_flops
+
+    cfg = llama_config(shape, vocab=len(load_tokenizer(ModelConfig())))
+    rows, tokens = ppo.rollout_batch_size, m["ppo/tokens"]
+    actions = rows * m["ppo/response_length"]
+    flops = (train_flops(cfg, tokens, tokens / rows, actions, cfg.vocab_size, frozen=True)
+             + train_flops(cfg, tokens, tokens / rows, tokens, 1))
+    return ppo.ppo_epochs * flops / m["time/learn_s"] / (H200_BF16_DENSE_TFLOPS * 1e12)
+
+
+def run_one(name, model, sft_cfg, rm_cfg, ppo_cfg, store, stats: RoleStats, shape: str | None = None) -> dict:
+    """``shape``: bench/common.py's shape of the model (the 0.3b runs), for the learn phase's MFU."""
     t = {}
     t0 = time.perf_counter()
     data = prepare_data(DataConfig(), model, store, SEED)
@@ -139,7 +157,8 @@ def run_one(name, model, sft_cfg, rm_cfg, ppo_cfg, store, stats: RoleStats) -> d
     t["train_ppo_s"] = time.perf_counter() - t0
     summary = store.manifest(ref.key)["metrics"]
     split = [{**{k: m[f"time/{k}_s"] for k in ("generate", "score", "learn", "iteration")},
-              "learn_tokens_per_s": m["time/learn_tokens_per_s"], "tokens": m["ppo/tokens"]} for m in iters]
+              "learn_tokens_per_s": m["time/learn_tokens_per_s"], "tokens": m["ppo/tokens"],
+              **({"learn_useful_mfu": learn_mfu(shape, ppo_cfg, m)} if shape else {})} for m in iters]
     # iteration 1 holds the graph capture / first-call costs; with compiled blocks, iteration 2 the
     # recompilation for a second shape (which marks the varying dimensions dynamic)
     steady = split[2:] if len(split) > 3 else split[1:] or split
@@ -159,15 +178,16 @@ def run_one(name, model, sft_cfg, rm_cfg, ppo_cfg, store, stats: RoleStats) -> d
 
 
 def table(results: dict) -> str:
-    rows = ["| run | rollout | ppo.compile | learner weights | s/iter (steady) | generate | score | learn | learn real tok/s | samples/s | first iter s | peak GiB actor / critic / initial / reward (GPU allocated; on CPU, process RSS) |",
-            "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    rows = ["| run | rollout | ppo.compile | learner weights | s/iter (steady) | generate | score | learn | learn real tok/s | learn useful MFU | samples/s | first iter s | peak GiB actor / critic / initial / reward (GPU allocated; on CPU, process RSS) |",
+            "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for name, r in results.items():
         m = r["steady_mean_s"]
         peaks = " / ".join(f"{r['roles'][k][0].get('peak_allocated_gib', r['roles'][k][0].get('peak_rss_gib', 0)):.2f}" if r["roles"][k] and r["roles"][k][0] else "-"
                            for k in ROLES)
+        mfu = f"{m['learn_useful_mfu']:.1%}" if "learn_useful_mfu" in m else "-"
         used = "graph" if r["rollout"]["cuda_graphs"] else ("eager" if r["rollout"]["fast_generate"] else "off")
         rows.append(f"| {name} | {used} | {r['ppo']['compile']} | {r['ppo'].get('learner_weights', 'fp32')} | {m['iteration']:.3f} | {m['generate']:.3f} | {m['score']:.3f} | "
-                    f"{m['learn']:.3f} | {m['learn_tokens_per_s']:,.0f} | {r['samples_per_s']:.1f} | {r['first_iteration_s']:.1f} | {peaks} |")
+                    f"{m['learn']:.3f} | {m['learn_tokens_per_s']:,.0f} | {mfu} | {r['samples_per_s']:.1f} | {r['first_iteration_s']:.1f} | {peaks} |")
     return "\n".join(rows)
 
 
@@ -196,7 +216,7 @@ def main():
     failed = {}
     for name in names:
         try:  # one run's failure (its traceback goes to the JSON) must not cost the others' numbers
-            results[name] = run_one(name, *plan[name], store, stats)
+            results[name] = run_one(name, *plan[name], store, stats, args.big_shape if name.startswith("0.3b") else None)
         except Exception:
             log.exception("run %s failed", name)
             failed[name] = traceback.format_exc()
