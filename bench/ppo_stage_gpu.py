@@ -8,8 +8,9 @@ flow calls) in a local Ray with one GPU, with ppo.device cuda, ppo.colocate true
 gpus_per_worker 0.25 (one placement group, bundle {CPU: 4, GPU: 1}). Reported per run: the
 per-iteration time split (generate / score / learn, as train_ppo measures it), the real tokens
 each learner passed over a second (``time/learn_tokens_per_s``) and, for the 0.3b runs, the
-learn phase's useful-token MFU (``learn_mfu``), samples/s, the peak GPU memory of each role's actor process (torch.cuda.max_memory_allocated, read just before
-the roles stop) and which rollout path the actor took (ppo.fast_generate 'auto').
+learn phase's useful-token MFU (``learn_mfu``), samples/s, the peak GPU memory of each role's
+actor process (torch.cuda.max_memory_allocated, read just before the roles stop) and which
+rollout path the actor took (ppo.fast_generate 'auto').
 
 Runs: ``tiny`` is the built-in model with the default stage configs (the CPU test's run, 10
 iterations); ``0.3b`` is a random-weight Llama (bench/common.py's 0.4b shape, d 1024, 24 layers,
