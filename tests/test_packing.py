@@ -104,7 +104,10 @@ def test_policy_forward_and_gradients_packed_equal_padded(arch, attn):
     torch.testing.assert_close(e[act], e0[act], rtol=1e-5, atol=1e-5)
     assert not lp[~act].any() and not e[~act].any()  # nothing computed after a row's stop
     for a, b in zip(g, g0):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+        # packed and padded matmuls sum in other orders: GPT-2 eager's gradients part by 2.4e-6 on
+        # elements near 0.013 (transformers 5.25, torch 2.13 CPU); a token attending the wrong
+        # sequence or position moves them by orders of magnitude more
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     assert torch.equal(action_logprobs(model, ro.sequences, ro.attention_mask, N, 0.7, 32).detach(), lp)
 
 
