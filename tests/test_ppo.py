@@ -206,6 +206,8 @@ def test_ppo_raises_reward_and_true_score_with_bounded_kl(stages):
     manifest = store.manifest(ref.key)
     assert manifest["config"]["placement"]["reference"] == "shared" and "initial" not in manifest["config"]["placement"]["roles"]
     assert {r: v["device"] for r, v in manifest["config"]["placement"]["roles"].items()} == dict.fromkeys(("actor", "critic", "reward"), "cpu")
+    assert {r: v.get("weights") for r, v in manifest["config"]["placement"]["roles"].items()} == \
+        {"actor": "fp32 weights", "critic": "fp32 weights", "reward": None}  # ppo.learner_weights 'auto' on the CPU
     assert all(m[f"memory/{r}/peak_rss_gib"] > 0.1 for r in ("actor", "critic", "reward")), m  # CPU: peak RSS per role
     steps = [h for h in history(store, ref.key) if "ppo/reward_mean" in h]
     assert [h["iteration"] for h in steps] == list(range(1, cfg.num_iterations + 1))
@@ -432,6 +434,8 @@ def test_resume_after_interruption_equals_uninterrupted_run(stages, tmp_path, we
     seen = []
     ref_b = train_ppo(cfg, MODEL, broken, data, sft, rm, SEED, on_iteration=lambda it, m: seen.append(it))
     assert seen == [3, 4]  # resumed at exactly iteration 2
+    placed = broken.manifest(ref_b.key)["config"]["placement"]["roles"]
+    assert [placed[r]["weights"] for r in ("actor", "critic")] == ["bf16 weights, fp32 masters" if weights == "bf16" else "fp32 weights"] * 2
     assert ref_a.key == ref_b.key
 
     wa, wb = adapter_weights(whole, ref_a.key), adapter_weights(broken, ref_b.key)

@@ -260,6 +260,9 @@ def placement_summary(cfg: PPOConfig, gpus: float) -> dict:
 
     roles = {r: {"num_workers": cfg.role(r).num_workers, "gpus_per_worker": cfg.role(r).gpus_per_worker,
                  "cpus_per_worker": cfg.role(r).cpus_per_worker, "device": role_device(cfg, r)} for r in cfg.started_roles}
+    for r in [r for r in LEARNERS if r in roles]:  # the weights they train (ppo.learner_weights; ColossalAI's plugins: bf16 + masters)
+        bf16 = cfg.strategy.startswith("colossalai") or cfg.bf16_learners(roles[r]["device"])
+        roles[r]["weights"] = "bf16 weights, fp32 masters" if bf16 else "fp32 weights"
     return {"cluster_gpus": gpus, "colocate": cfg.colocate, "reference": cfg.reference, "roles": roles,
             "reward_on_critic": cfg.reward_on_critic}
 
@@ -278,8 +281,8 @@ def peak_memory(groups: dict[str, RoleGroup]) -> dict[str, float]:
 
 
 def describe_placement(p: dict) -> str:
-    roles = ", ".join(f"{r} {v['num_workers']}x({v['gpus_per_worker']:g} GPU, {v['cpus_per_worker']:g} CPU, {v['device']})"
-                      for r, v in p["roles"].items())
+    roles = ", ".join(f"{r} {v['num_workers']}x({v['gpus_per_worker']:g} GPU, {v['cpus_per_worker']:g} CPU, {v['device']}"
+                      + (f", {v['weights']}" if "weights" in v else "") + ")" for r, v in p["roles"].items())
     ref = "initial: the actor's base with a frozen SFT adapter" if p["reference"] == "shared" else "initial: its own group"
     reward = ("reward: its own group" if "reward" in p["roles"] else "reward: the critic's base, adapter disabled"
               if p.get("reward_on_critic") else "reward: by code (Ray tasks)")
