@@ -124,24 +124,24 @@ class RoleStats:
             self._stop(groups, pgs)
 
 
-def learn_mfu(shape: str, ppo: PPOConfig, m: dict) -> float:
+def learn_mfu(arch, ppo: PPOConfig, m: dict) -> float:
     """The learn phase's useful-token MFU in one iteration's metrics: bench/useful_mfu.py's count
     (bench/common.py ``train_flops``) for the stage's learners, a LoRA actor on a frozen base (LM
     head at the action positions) and a full-parameter critic, over ``ppo_epochs`` passes of the
     rollout's real tokens (``ppo/tokens``; a row's mean length as the attention span), against
-    the datasheet peak. Actor and critic share the GPU, so their FLOPs add up in one learn time."""
-    from bench.common import H200_BF16_DENSE_TFLOPS, llama_config, train_flops
+    the datasheet peak. Actor and critic share the GPU, so their FLOPs add up in one learn time.
+    ``arch``: the model's LlamaConfig."""
+    from bench.common import H200_BF16_DENSE_TFLOPS, train_flops
 
-    cfg = llama_config(shape, vocab=len(load_tokenizer(ModelConfig())))
     rows, tokens = ppo.rollout_batch_size, m["ppo/tokens"]
     actions = rows * m["ppo/response_length"]
-    flops = (train_flops(cfg, tokens, tokens / rows, actions, cfg.vocab_size, frozen=True)
-             + train_flops(cfg, tokens, tokens / rows, tokens, 1))
+    flops = (train_flops(arch, tokens, tokens / rows, actions, arch.vocab_size, frozen=True)
+             + train_flops(arch, tokens, tokens / rows, tokens, 1))
     return ppo.ppo_epochs * flops / m["time/learn_s"] / (H200_BF16_DENSE_TFLOPS * 1e12)
 
 
-def run_one(name, model, sft_cfg, rm_cfg, ppo_cfg, store, stats: RoleStats, shape: str | None = None) -> dict:
-    """``shape``: bench/common.py's shape of the model (the 0.3b runs), for the learn phase's MFU."""
+def run_one(name, model, sft_cfg, rm_cfg, ppo_cfg, store, stats: RoleStats, arch=None) -> dict:
+    """``arch``: the model's LlamaConfig (the 0.3b runs), for the learn phase's MFU."""
     t = {}
     t0 = time.perf_counter()
     data = prepare_data(DataConfig(), model, store, SEED)
@@ -159,7 +159,7 @@ def run_one(name, model, sft_cfg, rm_cfg, ppo_cfg, store, stats: RoleStats, shap
     summary = store.manifest(ref.key)["metrics"]
     split = [{**{k: m[f"time/{k}_s"] for k in ("generate", "score", "learn", "iteration")},
               "learn_tokens_per_s": m["time/learn_tokens_per_s"], "tokens": m["ppo/tokens"],
-              **({"learn_useful_mfu": learn_mfu(shape, ppo_cfg, m)} if shape else {})} for m in iters]
+              **({"learn_useful_mfu": learn_mfu(arch, ppo_cfg, m)} if arch is not None else {})} for m in iters]
     # iteration 1 holds the graph capture / first-call costs; with compiled blocks, iteration 2 the
     # recompilation for a second shape (which marks the varying dimensions dynamic)
     steady = split[2:] if len(split) > 3 else split[1:] or split
@@ -204,6 +204,7 @@ def main():
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     import ray
+    from transformers import AutoConfig
 
     work = tempfile.mkdtemp(prefix="ppo-stage-gpu-")
     os.environ.setdefault("RLHF_CACHE", os.path.join(work, "cache"))
@@ -213,11 +214,12 @@ def main():
     store = ArtifactStore(f"file://{os.path.join(work, 'store')}")
     stats = RoleStats()
     plan = runs(args.device, args.iters, big, args.pack_tokens, args.train_batch_size)
+    arch = AutoConfig.from_pretrained(big) if big else None  # the saved model's own config, for the MFU
     results = {}
     failed = {}
     for name in names:
         try:  # one run's failure (its traceback goes to the JSON) must not cost the others' numbers
-            results[name] = run_one(name, *plan[name], store, stats, args.big_shape if name.startswith("0.3b") else None)
+            results[name] = run_one(name, *plan[name], store, stats, arch if name.startswith("0.3b") else None)
         except Exception:
             log.exception("run %s failed", name)
             failed[name] = traceback.format_exc()

@@ -79,6 +79,7 @@ def test_config_errors_name_field_value_and_fix():
         PPOConfig(strategy="colossalai_zero2", learner_weights="fp32")
     assert [PPOConfig(learner_weights=w).bf16_learners(d) for w in ("auto", "fp32", "bf16") for d in ("cuda", "cpu")] == \
         [True, False, False, False, True, True]
+    assert PPOConfig(strategy="colossalai_zero2").bf16_learners("cpu")  # the plugins' precision, whatever the device
     assert [resolve_learner_weights(PPOConfig(learner_weights=w), d).learner_weights for w in ("auto", "bf16") for d in ("auto", "float32")] \
         == ["auto", "fp32", "bf16", "bf16"]
 

@@ -209,8 +209,10 @@ class PPOConfig(BaseModel):
         return self
 
     def bf16_learners(self, device: str) -> bool:
-        """Whether the learners hold bf16 weights over fp32 masters (``learner_weights``) on ``device``."""
-        return self.learner_weights == "bf16" or (self.learner_weights == "auto" and device.startswith("cuda"))
+        """Whether the learners hold bf16 weights over fp32 masters on ``device``: ``learner_weights``,
+        and always under ColossalAI's strategies (their plugins' precision 'bf16')."""
+        return (self.strategy.startswith("colossalai") or self.learner_weights == "bf16"
+                or (self.learner_weights == "auto" and device.startswith("cuda")))
 
     def role(self, name: str) -> RoleConfig:
         return getattr(self, name)
