@@ -22,7 +22,7 @@ export PYTHONPATH=/tmp/site:$PWD
 for step in "$@"; do
   echo "== $step"
   case $step in
-    tests) timeout 300 python3 -m pytest -q -p no:cacheprovider -m "not slow" tests/test_placement.py tests/test_memory.py \
+    tests) timeout ${TESTS_TIMEOUT:-540} python3 -m pytest -q -p no:cacheprovider -m "not slow" --durations=12 tests/test_placement.py tests/test_memory.py \
              tests/test_chat_models.py tests/test_fast_generate.py tests/test_attention_backward.py tests/test_decode_attention.py tests/test_decode_linear.py > "$OUT/tests.log" 2>&1; tail -6 "$OUT/tests.log" ;;
     default) rm -rf /tmp/art-default; flow default --set store.uri=file:///tmp/art-default
              python3 bench/gpu_summary.py /tmp/art-default "$OUT/gpu_default.csv" > "$OUT/summary_default.json"; cat "$OUT/summary_default.json" ;;
@@ -47,9 +47,9 @@ for step in "$@"; do
               --out "$OUT/decode_attention_0.4b.json" > "$OUT/decode_attention.log" 2>&1; grep -E "^attention|decode step|Error" "$OUT/decode_attention.log" | head ;;
     rollout) for sh in ${ROLLOUT_SHAPES:-0.4b}; do timeout 300 python3 bench/rollout_realistic.py --shape "$sh" --attention ${ROLLOUT_ATTENTION:-sdpa,triton} ${ROLLOUT_ARGS:-} \
                --out "$OUT/rollout_realistic_$sh.json" > "$OUT/rollout_$sh.log" 2>&1; tail -12 "$OUT/rollout_$sh.log"; done ;;
-    match)  # issue 18: the PPO stage and the in-process iteration on one workload (bench/ppo_stage_gpu.py's 0.3b run)
+    match)  # issue 18: the PPO stage and the in-process iteration on one workload (bench/ppo_stage_gpu.py's 0.3b run; both bf16 learners)
             timeout 240 python3 bench/ppo_iteration.py --batch 64 --prompt-len 11 --new-tokens 64 --vocab 512 --lora-actor 32 \
-              --epochs 2 --minibatch 16 --pack-tokens 1024 --skip-rollout-baselines --skip-eager-learn --out "$OUT/ppo_iteration_match.json" > "$OUT/match_iteration.log" 2>&1
+              --epochs 2 --minibatch 16 --pack-tokens 1024 --weights bf16 --skip-rollout-baselines --skip-eager-learn --out "$OUT/ppo_iteration_match.json" > "$OUT/match_iteration.log" 2>&1
             tail -4 "$OUT/match_iteration.log"
             timeout 330 python3 bench/ppo_stage_gpu.py --runs 0.3b --iters 8 --pack-tokens 1024 --out "$OUT/ppo_stage_gpu.json" > "$OUT/match_stage.log" 2>&1; tail -8 "$OUT/match_stage.log" ;;
     grpo) timeout 500 python3 bench/grpo_iteration.py --shape 0.4b --batch 64 --prompt-len 128 --new-tokens 128 --n 8 \
