@@ -20,9 +20,10 @@ SHAPE = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_lay
              num_key_value_heads=2, max_position_embeddings=128, pad_token_id=PAD)
 
 
-def tiny(kind: str = "llama", seed: int = 0):
+def tiny(kind: str = "llama", seed: int = 0, **shape):
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**SHAPE)) if kind == "llama" else Qwen2ForCausalLM(Qwen2Config(**SHAPE))
+    shape = {**SHAPE, **shape}
+    model = LlamaForCausalLM(LlamaConfig(**shape)) if kind == "llama" else Qwen2ForCausalLM(Qwen2Config(**shape))
     with torch.no_grad():  # larger than init so that greedy rows differ and ties are rare
         for p in model.parameters():
             p.normal_(0, 0.3 if p.ndim > 1 else 0.1)
@@ -157,6 +158,21 @@ def test_compiled_decode_equals_plain_loop(scope):
     assert torch.equal(a.sequences, b.sequences)
     with pytest.raises(ValueError, match="compile_scope 'model' is not 'layer' or 'forward'"):
         FastGenerator(model, max_batch=4, max_len=32, compile_scope="model")
+
+
+def test_compiled_top_p_over_a_32k_vocabulary_at_a_second_batch_size_equals_plain_loop():
+    """Top-p's cumsum over a real vocabulary's width, compiled, at a second batch size: with a
+    symbolic batch Inductor split that scan and its CUDA codegen failed (the realistic rollout of
+    bench/rollout_realistic.py, 2026-12-07); the top-p filter runs eagerly. Seeded
+    rollouts equal the plain loop's at both sizes (here through Inductor's CPU backend)."""
+    model = tiny("llama", seed=31, vocab_size=32000, num_hidden_layers=1)
+    ids, mask = left_padded(seed=32)
+    fg = FastGenerator(model, max_batch=4, max_len=32, compile=True)
+    for rows in (slice(0, 4), slice(1, 3)):
+        kw = dict(temperature=1.0, top_p=0.9)
+        a = fast(fg, ids[rows], mask[rows], eos=-1, generator=torch.Generator(DEVICE).manual_seed(7), **kw)
+        b = plain(model, ids[rows], mask[rows], eos=-1, generator=torch.Generator(DEVICE).manual_seed(7), **kw)
+        assert torch.equal(a.sequences, b.sequences), rows
 
 
 def test_compaction_decodes_the_rows_still_going_and_keeps_the_tokens():

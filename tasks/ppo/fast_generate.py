@@ -603,7 +603,11 @@ class FastGenerator:
             rows = self._row[:n]
             logits = self._logits[:b].index_copy_(0, rows, logits)
         # sample_next's steps, its random draw between the compiled parts (the generator's numbers, as the plain loop's)
-        w = logits if s.greedy else self._decode_probs(logits, s.temperature, s.top_k, s.top_p)
+        # top-p eagerly: Inductor splits its cumsum over a vocabulary (32k) of a few rows (SplitScan)
+        # and that kernel's CUDA codegen fails (torch 2.11, "list indices must be integers or slices,
+        # not NoneType"; bench/RESULTS.md, 2026-12-07, eleventh session)
+        probs = self._decode_probs if s.top_p >= 1.0 else sample_probs
+        w = logits if s.greedy else probs(logits, s.temperature, s.top_k, s.top_p)
         q = None if s.greedy else exp_draws(w, s.rng)
         self._decode_finish(w, q, rows, *self._state(n), self._pos[:n, None], self._col)
 
