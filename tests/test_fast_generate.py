@@ -161,10 +161,11 @@ def test_compiled_decode_equals_plain_loop(scope):
 
 
 def test_compiled_top_p_over_a_32k_vocabulary_at_a_second_batch_size_equals_plain_loop():
-    """Top-p's cumsum over a real vocabulary's width, compiled, at a second batch size: with a
-    symbolic batch Inductor split that scan and its CUDA codegen failed (the realistic rollout of
-    bench/rollout_realistic.py, 2026-12-07); the top-p filter runs eagerly. Seeded
-    rollouts equal the plain loop's at both sizes (here through Inductor's CPU backend)."""
+    """Top-p's cumsum over a real vocabulary's width, with the generator compiled, at two batch
+    sizes: Inductor splits that scan of a few long rows and its CUDA codegen failed, at a static
+    size as at a symbolic one (bench/rollout_realistic.py's realistic case, bench/RESULTS.md,
+    2026-12-07, eleventh session); the top-p filter runs eagerly. Seeded rollouts equal the plain
+    loop's at both sizes (on the CPU through Inductor's CPU backend, which does not split)."""
     model = tiny("llama", seed=31, vocab_size=32000, num_hidden_layers=1)
     ids, mask = left_padded(seed=32)
     fg = FastGenerator(model, max_batch=4, max_len=32, compile=True)
