@@ -165,15 +165,16 @@ def test_compiled_top_p_over_a_32k_vocabulary_at_a_second_batch_size_equals_plai
     sizes: Inductor splits that scan of a few long rows and its CUDA codegen failed, at a static
     size as at a symbolic one (bench/rollout_realistic.py's realistic case, bench/RESULTS.md,
     2026-12-07, eleventh session); the top-p filter runs eagerly. Seeded rollouts equal the plain
-    loop's at both sizes (on the CPU through Inductor's CPU backend, which does not split)."""
+    loop's at both sizes (on the CPU through Inductor's CPU backend, which does not split), and
+    so do top-k's, which stay in the compiled sampler."""
     model = tiny("llama", seed=31, vocab_size=32000, num_hidden_layers=1)
     ids, mask = left_padded(seed=32)
     fg = FastGenerator(model, max_batch=4, max_len=32, compile=True)
-    for rows in (slice(0, 4), slice(1, 3)):
-        kw = dict(temperature=1.0, top_p=0.9)
-        a = fast(fg, ids[rows], mask[rows], eos=-1, generator=torch.Generator(DEVICE).manual_seed(7), **kw)
-        b = plain(model, ids[rows], mask[rows], eos=-1, generator=torch.Generator(DEVICE).manual_seed(7), **kw)
-        assert torch.equal(a.sequences, b.sequences), rows
+    for kw in (dict(top_p=0.9), dict(temperature=0.9, top_k=50)):
+        for rows in (slice(0, 4), slice(1, 3)):
+            a = fast(fg, ids[rows], mask[rows], eos=-1, generator=torch.Generator(DEVICE).manual_seed(7), **kw)
+            b = plain(model, ids[rows], mask[rows], eos=-1, generator=torch.Generator(DEVICE).manual_seed(7), **kw)
+            assert torch.equal(a.sequences, b.sequences), (kw, rows)
 
 
 def test_compaction_decodes_the_rows_still_going_and_keeps_the_tokens():
