@@ -118,6 +118,16 @@ def train_flops(cfg, tokens: int, seq_len: int, head_tokens: int, head_out: int,
     return mm * block * tokens + 12 * L * d * seq_len * tokens + mm * d * head_out * head_tokens
 
 
+def ppo_epoch_flops(cfg, tokens: int, rows: int, actions: int, lora_actor: bool = False, lora_critic: bool = False) -> float:
+    """One PPO epoch's useful forward + backward FLOPs (``train_flops``) over a rollout's ``tokens``
+    real tokens in ``rows`` rows with ``actions`` real response tokens (a row's mean length as the
+    attention span): the policy, its LM head at the actions and one more position a row, and the
+    critic, a 1-output head at every token. ``lora_*``: that model's base is frozen."""
+    span = tokens / rows
+    return (train_flops(cfg, tokens, span, actions + rows, cfg.vocab_size, lora_actor)
+            + train_flops(cfg, tokens, span, tokens, 1, lora_critic))
+
+
 def sync():
     if torch.cuda.is_available():
         torch.cuda.synchronize()

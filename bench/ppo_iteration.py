@@ -301,7 +301,8 @@ def main() -> None:
     # ---- learn phase: eager, then compiled blocks (ppo.compile), same models and optimizer
     res["weights"] = a.weights
     if a.weights == "bf16":  # as group.wrap_learner does for ppo.learner_weights 'bf16'
-        params_to_bf16(policy), params_to_bf16(critic)
+        for model in (policy, critic):
+            params_to_bf16(model)
     trainable = [p for p in list(policy.parameters()) + list(critic.parameters()) if p.requires_grad]
     opt = (MasterAdamW(trainable, lr=1e-6, weight_decay=0.01) if a.weights == "bf16"
            else torch.optim.AdamW(trainable, lr=1e-6, fused=DEV == "cuda"))

@@ -126,17 +126,14 @@ class RoleStats:
 
 def learn_mfu(arch, ppo: PPOConfig, m: dict) -> float:
     """The learn phase's useful-token MFU in one iteration's metrics: bench/useful_mfu.py's count
-    (bench/common.py ``train_flops``) for the stage's learners, a LoRA actor on a frozen base (LM
-    head at the action positions) and a full-parameter critic, over ``ppo_epochs`` passes of the
-    rollout's real tokens (``ppo/tokens``; a row's mean length as the attention span), against
-    the datasheet peak. Actor and critic share the GPU, so their FLOPs add up in one learn time.
-    ``arch``: the model's LlamaConfig."""
-    from bench.common import H200_BF16_DENSE_TFLOPS, train_flops
+    (bench/common.py ``ppo_epoch_flops``) for the stage's learners, a LoRA actor on a frozen base
+    and a full-parameter critic, over ``ppo_epochs`` passes of the rollout's real tokens
+    (``ppo/tokens``), against the datasheet peak. Actor and critic share the GPU, so their FLOPs
+    add up in one learn time. ``arch``: the model's LlamaConfig."""
+    from bench.common import H200_BF16_DENSE_TFLOPS, ppo_epoch_flops
 
-    rows, tokens = ppo.rollout_batch_size, m["ppo/tokens"]
-    actions = rows * m["ppo/response_length"]
-    flops = (train_flops(arch, tokens, tokens / rows, actions, arch.vocab_size, frozen=True)
-             + train_flops(arch, tokens, tokens / rows, tokens, 1))
+    rows = ppo.rollout_batch_size
+    flops = ppo_epoch_flops(arch, m["ppo/tokens"], rows, rows * m["ppo/response_length"], lora_actor=True)
     return ppo.ppo_epochs * flops / m["time/learn_s"] / (H200_BF16_DENSE_TFLOPS * 1e12)
 
 

@@ -44,7 +44,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import (H200_BF16_DENSE_TFLOPS, build_policy, build_value_model, llama_config, lora_value_model,  # noqa: E402
-                          machine, matmul_tflops, n_params, peak_gib, reset_peak, shape_vocab, sync, timed, train_flops, workload_args,
+                          machine, matmul_tflops, n_params, peak_gib, ppo_epoch_flops, reset_peak, shape_vocab, sync, timed, train_flops, workload_args,
                           write_json)
 from tasks.common.optim import MasterAdamW  # noqa: E402
 from tasks.ppo.generation import action_logprobs  # noqa: E402
@@ -193,10 +193,8 @@ def work(cfg, exp: dict, order: torch.Tensor, mb: int, N: int, pack_tokens: int 
     the block-diagonal mask, whose kernels skip no block); a LoRA model's frozen base counts no
     weight gradients (``train_flops``)."""
     real_tokens = int(exp["attn"].sum())
-    real_len = real_tokens / len(exp["attn"])
     real_actions = int(exp["amask"].sum())
-    useful = (train_flops(cfg, real_tokens, real_len, real_actions + len(exp["attn"]), cfg.vocab_size, lora_actor)
-              + train_flops(cfg, real_tokens, real_len, real_tokens, 1, lora_critic))
+    useful = ppo_epoch_flops(cfg, real_tokens, len(exp["attn"]), real_actions, lora_actor, lora_critic)
     computed_tokens, computed = 0, 0.0
     for rows in order.split(mb):
         if pack_tokens:

@@ -260,8 +260,9 @@ def placement_summary(cfg: PPOConfig, gpus: float) -> dict:
 
     roles = {r: {"num_workers": cfg.role(r).num_workers, "gpus_per_worker": cfg.role(r).gpus_per_worker,
                  "cpus_per_worker": cfg.role(r).cpus_per_worker, "device": role_device(cfg, r)} for r in cfg.started_roles}
-    for r in [r for r in LEARNERS if r in roles]:  # the weights they train
-        roles[r]["weights"] = "bf16 weights, fp32 masters" if cfg.bf16_learners(roles[r]["device"]) else "fp32 weights"
+    for r in LEARNERS:  # the weights they train
+        if r in roles:
+            roles[r]["weights"] = "bf16 weights, fp32 masters" if cfg.bf16_learners(roles[r]["device"]) else "fp32 weights"
     return {"cluster_gpus": gpus, "colocate": cfg.colocate, "reference": cfg.reference, "roles": roles,
             "reward_on_critic": cfg.reward_on_critic}
 
