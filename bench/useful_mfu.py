@@ -336,6 +336,7 @@ def main() -> None:
                     "packedC: rows packed into bins of C columns (ppo.pack_tokens C), rollout order, varlen attention; packedC_bucket: by "
                     "length_order; packedC-mask: the bins' attention under transformers' block-diagonal mask (tasks/ppo/packing.py VARLEN off)")
     ap.add_argument("--profile-variants", default="rollout_order,packed1024", help="with --profile: these variants too")
+    ap.add_argument("--profile-top", type=int, default=15, help="with --profile: how many ops (by device self time) each profile lists")
     ap.add_argument("--compile", default="blocks", help="how the models are compiled (CUDA; elsewhere only when not 'blocks'): "
                     "blocks (the stage's), blocks-graphs, body, none (see compile_as)")
     ap.add_argument("--learners", default="together", choices=["together", "apart"],
@@ -402,7 +403,7 @@ def main() -> None:
             if name in variants:
                 order, pk = variants[name]
                 packing.VARLEN = varlen_of(name)
-                prof = res["profile"][name] = top_ops(lambda: epoch(policy, critic, opt, exp, order, mb, N, pack_tokens=pk))
+                prof = res["profile"][name] = top_ops(lambda: epoch(policy, critic, opt, exp, order, mb, N, pack_tokens=pk), a.profile_top)
                 print(f"{name} under the profiler: {prof['wall_ms']} ms wall, {prof['kernel_ms']} ms of kernels "
                       f"({100 * prof['kernel_share_of_wall']:.0f}%): {prof['kernel_ms_by_kind']}", flush=True)
                 for o in prof["top_ops"][:8]:
