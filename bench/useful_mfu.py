@@ -322,7 +322,7 @@ def learners_apart(a) -> tuple[dict, int]:
 def main() -> None:
     ap = workload_args(__doc__.splitlines()[0])
     ap.add_argument("--minibatch", type=int, default=16)
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=12, help="timed epochs after the first; their median is reported (a process keeps getting faster for up to ~5 epochs after the compile, bench/RESULTS.md 2026-12-07: fewer reps report the warm-up)")
     ap.add_argument("--vocab", type=int, default=None)
     ap.add_argument("--weights", default="fp32", choices=["fp32", "bf16"], help="fp32: fp32 weights under bf16 autocast (the stage's "
                     "full-parameter learners); bf16: bf16 weights, fp32 masters in the optimizer (MasterAdamW)")
