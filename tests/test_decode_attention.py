@@ -247,6 +247,10 @@ def test_kernel_choice_names_the_value_and_the_way_out(option, library):
     assert pick_kernel(option, "auto", cuda, hidden_size=1024) == "triton"
     assert pick_kernel(option, "auto", cuda, hidden_size=1536) == ("triton" if option == "attention" else library)
     assert pick_kernel(option, "triton", cuda, hidden_size=4096) == "triton"  # asked for by name: taken at any size
+    # and decoding in half precision (fp32 weights read twice the bytes: not measured)
+    assert pick_kernel(option, "auto", cuda, hidden_size=1024, dtype=torch.bfloat16) == "triton"
+    assert pick_kernel(option, "auto", cuda, hidden_size=1024, dtype=torch.float32) == ("triton" if option == "attention" else library)
+    assert pick_kernel(option, "triton", cuda, dtype=torch.float32) == "triton"
     with pytest.raises(ValueError, match=f"{option} 'flash' is not one of"):
         pick_kernel(option, "flash", cpu)
     if os.environ.get("TRITON_INTERPRET") != "1":

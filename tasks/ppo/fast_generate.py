@@ -124,19 +124,22 @@ def _triton_kernel(option: str, module: str, device: torch.device, instead: str)
 
 
 LINEAR_AUTO_MAX_HIDDEN = 1024  # linear 'auto' takes the split-K kernel up to this hidden size: it won at d 1024 (0.4B)
-# and lost at d 1536 and 4096 (1.5B, 8B) on an H100 (tasks/ppo/decode_linear.py, bench/RESULTS.md)
+# and lost at d 1536 and 4096 (1.5B, 8B) on an H100 (tasks/ppo/decode_linear.py, bench/RESULTS.md); bf16 weights only
 
 
-def pick_kernel(option: str, choice: str, device: torch.device, hidden_size: int | None = None) -> str:
+def pick_kernel(option: str, choice: str, device: torch.device, hidden_size: int | None = None,
+                dtype: torch.dtype | None = None) -> str:
     """FastGenerator's ``option`` ('attention' or 'linear', ``KERNELS``) checked and resolved: 'auto'
     (the default) is the Triton kernel on a CUDA device where the triton package imports, else the
-    library's (measured on the H200 and H100, bench/RESULTS.md); for the linears only in models of
-    at most ``LINEAR_AUTO_MAX_HIDDEN`` hidden units (``hidden_size``; None: any)."""
+    library's (measured on the H200 and H100, bench/RESULTS.md); for the linears only where they
+    were measured faster: models of at most ``LINEAR_AUTO_MAX_HIDDEN`` hidden units
+    (``hidden_size``) decoding in half precision (``dtype``; None: either unknown, taken as fitting)."""
     library, module = KERNELS[option]
     if choice not in ("auto", library, "triton"):
         raise ValueError(f"FastGenerator: {option} {choice!r} is not one of {('auto', library, 'triton')}")
-    wide = option == "linear" and hidden_size is not None and hidden_size > LINEAR_AUTO_MAX_HIDDEN
-    if choice == library or (choice == "auto" and (device.type != "cuda" or wide)):
+    unmeasured = option == "linear" and ((hidden_size is not None and hidden_size > LINEAR_AUTO_MAX_HIDDEN)
+                                         or (dtype is not None and dtype not in (torch.bfloat16, torch.float16)))
+    if choice == library or (choice == "auto" and (device.type != "cuda" or unmeasured)):
         return library
     try:
         return _triton_kernel(option, module, device, library)
@@ -446,7 +449,7 @@ class FastGenerator:
         n_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.dims = Dims(cfg.num_attention_heads, n_kv, head_dim, float(getattr(attn0, "scaling", head_dim ** -0.5)),
                          float(self.norm.variance_epsilon), pick_kernel("attention", attention, self.device),
-                         pick_kernel("linear", linear, self.device, cfg.hidden_size))
+                         pick_kernel("linear", linear, self.device, cfg.hidden_size, self.dtype))
         if self.dims.attention == "triton" and ATTENTION_ROPE and not hasattr(attn0, "q_norm"):
             self.dims = self.dims._replace(rope_in_attention=True)
         self.act = self.layers[0].mlp.act_fn

@@ -198,7 +198,7 @@ def train_ppo(cfg: PPOConfig, model: ModelConfig, store: ArtifactStore, data: Ar
         memory = peak_memory(groups)
         info = ray.get(groups["actor"].workers[0].rollout_info.remote())
         log.info("ppo rollouts: %s", (f"FastGenerator ({'CUDA graphs, ' if info['cuda_graphs'] else ''}{'compiled, ' if info['compiled'] else ''}"
-                                       f"decode attention {info['attention']}{', compacting stopped rows' if info['compact'] else ''})"
+                                       f"decode attention {info['attention']}, linears {info['linear']}{', compacting stopped rows' if info['compact'] else ''})"
                                        if info["fast_generate"] else "the plain decode loop"))
         log.info("ppo peak memory per role (GiB, max over ranks): %s", ", ".join(f"{k.split('/', 1)[1]} {v:.2f}" for k, v in memory.items()))
         ref = publish_final(store, key, adapter, data_dir / "tokenizer", history, {**_summary(history), **memory}, config, inputs,
