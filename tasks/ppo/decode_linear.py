@@ -14,9 +14,10 @@ seeded rollouts stay reproducible).
 Measured on an H100 (bench/RESULTS.md, 2026-12-06, fourth session): at 0.4B, batch 64, it takes
 the decode step from 1.53 to 1.46 ms (the o and down projections, which leave cuBLAS short of
 tiles, 1.3x and 1.6x); at 1.5B and 8B it gained nothing, and with the PDL launch below it loses
-there (2.17 against 2.08-2.10 ms, 9.37 against 7.07, ninth session). So FastGenerator keeps
-``linear='cublas'`` by default, ``ppo.decode_linear`` opts in, and 'auto' takes it only up to a
-hidden size of 1024 (``fast_generate.LINEAR_AUTO_MAX_HIDDEN``). On Hopper FastGenerator launches it as a
+there (2.17 against 2.08-2.10 ms, 9.37 against 7.07, ninth session). So ``ppo.decode_linear``
+'auto' (the stage's default; FastGenerator's own default stays ``linear='cublas'``) takes it only
+up to a hidden size of 1024 (``fast_generate.LINEAR_AUTO_MAX_HIDDEN``) and in half precision. Its
+greedy tokens are as close to an fp32 model's as cuBLAS's (eleventh session). On Hopper FastGenerator launches it as a
 programmatic dependent (``decode_linear_partials_pdl``, Inductor's kernels around it compiled
 with PDL): each program prefetches its weight slice into the L2 before waiting on the kernel
 before it, and the 0.4B step takes 1.40 ms against 1.43 without and cuBLAS's 1.51 (fifth session).
