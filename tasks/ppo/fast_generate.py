@@ -124,7 +124,7 @@ def _triton_kernel(option: str, module: str, device: torch.device, instead: str)
 
 
 LINEAR_AUTO_MAX_HIDDEN = 1024  # linear 'auto' takes the split-K kernel up to this hidden size: it won at d 1024 (0.4B)
-# and lost at d 1536 and 4096 (1.5B, 8B) on an H100 (tasks/ppo/decode_linear.py, bench/RESULTS.md); bf16 weights only
+# and lost at d 1536 and 4096 (1.5B, 8B) on an H100 (tasks/ppo/decode_linear.py, bench/RESULTS.md); in half precision only (measured in bf16)
 
 
 def pick_kernel(option: str, choice: str, device: torch.device, hidden_size: int | None = None,
