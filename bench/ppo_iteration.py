@@ -51,6 +51,7 @@ def autocast():
 
 
 PACK = 0  # --pack-tokens: ppo.pack_tokens of every forward (tasks/ppo/packing.py)
+HEAD = {"compiled": False}  # the policy's log-prob head compiled once its blocks are (the stage's actor: generation.action_head)
 
 
 def values(critic, seqs, attn, n):
@@ -63,7 +64,7 @@ def reward_scores(rm, rollout):
 
 def learn_step(policy, critic, opt, exp, n):
     with autocast():
-        logp = action_logprobs(policy, exp["seqs"], exp["attn"], n, pack_tokens=PACK)
+        logp = action_logprobs(policy, exp["seqs"], exp["attn"], n, pack_tokens=PACK, compiled=HEAD["compiled"])
         pl = ppo_clip_loss(logp, exp["old_logp"], exp["adv"], exp["amask"])
         vl = value_loss(values(critic, exp["seqs"], exp["attn"], n), exp["old_values"], exp["returns"], exp["amask"])
     (pl.loss + vl.loss).backward()
@@ -77,7 +78,7 @@ def make_experience(policy, ref, critic, rm, rollout, n, split: dict | None = No
     t = {} if split is None else split
     with autocast():
         with timed(t, "policy_logprobs"):
-            old_logp = action_logprobs(policy, seqs, attn, n, pack_tokens=PACK)
+            old_logp = action_logprobs(policy, seqs, attn, n, pack_tokens=PACK, compiled=HEAD["compiled"])
         with timed(t, "ref_logprobs"):
             ref_logp = action_logprobs(ref, seqs, attn, n, pack_tokens=PACK)
         with timed(t, "values"):
@@ -312,6 +313,7 @@ def main() -> None:
     if not a.skip_eager_learn:
         bench_learn(policy, critic, opt, exp, a, res, "learn_eager")
     res["compiled_blocks"] = compile_blocks(policy) + compile_blocks(critic)
+    HEAD["compiled"] = True
     bench_learn(policy, critic, opt, exp, a, res, "learn_compiled")
     res["weight_sync"] = {"refresh_after_optimizer_step_s": statistics.median(time_reps(fg.refresh_weights, 3)),
                           "note": f"{a.weights} weights -> packed bf16 decode weights, in place"}

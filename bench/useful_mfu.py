@@ -96,7 +96,8 @@ def epoch(policy, critic, opt, exp: dict, order: torch.Tensor, mb: int, N: int, 
         loss = 0.0
         with lap("forward_s"), torch.autocast(DEV, dtype=torch.bfloat16, enabled=DEV == "cuda"):
             if policy is not None:
-                logp = action_logprobs(policy, exp["seqs_cpu"][rows], exp["attn_cpu"][rows], N, pack_tokens=pack_tokens, device=DEV)
+                logp = action_logprobs(policy, exp["seqs_cpu"][rows], exp["attn_cpu"][rows], N, pack_tokens=pack_tokens, device=DEV,
+                                      compiled=COMPILED_HEAD[0])
                 loss = loss + ppo_clip_loss(logp, e["old_logp"], e["adv"], e["amask"]).loss
             if critic is not None:
                 critic.pack_tokens = pack_tokens  # laid out on the CPU copy, as the stage's critic does (CriticWorker._inputs)
@@ -244,10 +245,11 @@ def parse_variants(a, exp: dict) -> tuple[dict, dict]:
     orders = {"rollout_order": torch.arange(a.batch), "bucket_by_length": length_order(exp["attn_cpu"], a.new_tokens, a.minibatch)}
     variants = {}
     for v in a.variants.split(","):
-        if v in orders:
-            variants[v] = (orders[v], 0)
+        base = v.removesuffix("-eagerhead")
+        if base in orders:
+            variants[v] = (orders[base], 0)
         else:  # packedC, packedC_bucket, packedC-mask
-            c, _, by = v.removeprefix("packed").removesuffix("-mask").partition("_")
+            c, _, by = base.removeprefix("packed").removesuffix("-mask").partition("_")
             variants[v] = (orders["bucket_by_length" if by else "rollout_order"], int(c))
     return variants
 
@@ -255,7 +257,17 @@ def parse_variants(a, exp: dict) -> tuple[dict, dict]:
 def varlen_of(name: str) -> bool:
     """A variant's packed attention: by the sequences' lengths (tasks/ppo/varlen.py), or ``-mask``:
     transformers' block-diagonal mask (tasks/ppo/packing.py ``VARLEN`` off)."""
-    return not name.endswith("-mask")
+    return not name.removesuffix("-eagerhead").endswith("-mask")
+
+
+COMPILED_HEAD = [False]  # the policy's log-prob head compiled (generation.action_head), as the stage's compiled actor has it
+
+
+def use_variant(a, name: str) -> None:
+    """The process-wide switches of variant ``name`` for its epochs: packed attention (``varlen_of``)
+    and the log-prob head, compiled where the blocks are unless the name ends in ``-eagerhead``."""
+    packing.VARLEN = varlen_of(name)
+    COMPILED_HEAD[0] = (DEV == "cuda" or a.compile != "blocks") and a.compile != "none" and not name.endswith("-eagerhead")
 
 
 def time_variants(a, policy, critic, opt, exp: dict, variants: dict, barrier=None) -> dict:
@@ -264,7 +276,7 @@ def time_variants(a, policy, critic, opt, exp: dict, variants: dict, barrier=Non
     process before each epoch, so both start together."""
     out = {}
     for name, (order, pk) in variants.items():
-        packing.VARLEN = varlen_of(name)  # for this variant's epochs (and its profile in main)
+        use_variant(a, name)  # for this variant's epochs (and its profile in main)
         t, ts = {}, []
         barrier and barrier.wait()
         with timed(t, "first_s"):
@@ -334,7 +346,8 @@ def main() -> None:
     ap.add_argument("--variants", default="rollout_order,bucket_by_length,packed256,packed512,packed1024,packed512_bucket",
                     help="rollout_order / bucket_by_length: unpacked, minibatches in rollout order / by length_order; "
                     "packedC: rows packed into bins of C columns (ppo.pack_tokens C), rollout order, varlen attention; packedC_bucket: by "
-                    "length_order; packedC-mask: the bins' attention under transformers' block-diagonal mask (tasks/ppo/packing.py VARLEN off)")
+                    "length_order; packedC-mask: the bins' attention under transformers' block-diagonal mask (tasks/ppo/packing.py VARLEN off); "
+                    "any of them -eagerhead: the policy's log-prob head eager (the stage compiles it with the blocks)")
     ap.add_argument("--profile-variants", default="rollout_order,packed1024", help="with --profile: these variants too")
     ap.add_argument("--profile-top", type=int, default=15, help="with --profile: how many ops (by device self time) each profile lists")
     ap.add_argument("--compile", default="blocks", help="how the models are compiled (CUDA; elsewhere only when not 'blocks'): "
@@ -380,7 +393,7 @@ def main() -> None:
     if a.sync_debug and DEV == "cuda":
         res["host_syncs"] = {}
         for name, (order, pk) in variants.items():
-            packing.VARLEN = varlen_of(name)
+            use_variant(a, name)
             try:
                 sites = res["host_syncs"][name] = host_syncs(lambda: epoch(policy, critic, opt, exp, order, mb, N, pack_tokens=pk))
             except Exception as e:  # a diagnosis: record why it could not run, keep the numbers above
@@ -393,7 +406,7 @@ def main() -> None:
     if a.profile:  # the fastest variant, already warm
         best = min(res["variants"], key=lambda k: res["variants"][k]["s"])
         order, pk = variants[best]
-        packing.VARLEN = varlen_of(best)
+        use_variant(a, best)
         phases: dict = {}
         epoch(policy, critic, opt, exp, order, mb, N, phases, pk)
         split = {k: round(v, 4) for k, v in phases.items()}
@@ -402,7 +415,7 @@ def main() -> None:
         for name in dict.fromkeys([best, *a.profile_variants.split(",")]):
             if name in variants:
                 order, pk = variants[name]
-                packing.VARLEN = varlen_of(name)
+                use_variant(a, name)
                 prof = res["profile"][name] = top_ops(lambda: epoch(policy, critic, opt, exp, order, mb, N, pack_tokens=pk), a.profile_top)
                 print(f"{name} under the profiler: {prof['wall_ms']} ms wall, {prof['kernel_ms']} ms of kernels "
                       f"({100 * prof['kernel_share_of_wall']:.0f}%): {prof['kernel_ms_by_kind']}", flush=True)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tasks.common.model import ModelConfig, load_causal_lm, load_tokenizer
-from tasks.ppo.generation import action_logprobs, forward_actions, generate, sample_next
+from tasks.ppo.generation import action_head, action_logprobs, forward_actions, generate, sample_next
 from tasks.ppo.losses import entropy_from_logits
 
 PROMPTS = [
@@ -211,6 +211,31 @@ def test_action_logprobs_match_decoding_step_logits(lm, batch):
     assert torch.allclose(lp[m], seen[m], atol=1e-4)
     assert torch.allclose(lp2, lp)
     assert torch.allclose(ent[m], entropy_from_logits(steps / temp)[m], atol=1e-4)
+
+
+def test_compiled_head_matches_the_eager_one():
+    """``action_head(compiled=True)`` (the compiled learners' head: one graph over every position,
+    the logits read in bf16) gives the eager fp32 pieces' log-probs, entropy and logit gradient,
+    for (B, n, V) and (K, V) logits."""
+    g = torch.Generator().manual_seed(0)
+    for shape in [(3, 5, 300), (7, 300)]:
+        logits = (torch.randn(*shape, generator=g) * 3).bfloat16()
+        actions = torch.randint(0, shape[-1], shape[:-1], generator=g)
+        w = torch.randn(shape[:-1], generator=g)
+        out = {}
+        for compiled in (False, True):
+            x = logits.clone().requires_grad_()
+            logp, _ = action_head(x, actions, 0.7, compiled=compiled)
+            (logp * w).sum().backward()
+            with torch.no_grad():
+                lp2, ent = action_head(logits, actions, 0.7, entropy=True, compiled=compiled)
+            out[compiled] = logp.detach(), x.grad, lp2, ent
+        (a, ga, a2, ea), (b, gb, b2, eb) = out[False], out[True]
+        assert a.shape == b.shape == ea.shape == eb.shape == actions.shape and gb.dtype == torch.bfloat16
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(b2, a2, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(eb, ea, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(gb.float(), ga.float(), rtol=1e-2, atol=1e-3)  # both rounded once to bf16
 
 
 def test_left_padding_does_not_change_logprobs(lm, batch):

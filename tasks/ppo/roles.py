@@ -206,7 +206,9 @@ class PolicyWorker(_LearnerMixin, DistributedWorker):
             peft.load_adapter(adapter, adapter_name=REFERENCE_ADAPTER, is_trainable=False)
         checkpoint_blocks(peft, ppo.gradient_checkpointing, self.device)
         torch.autograd.set_detect_anomaly(ppo.detect_anomaly, check_nan=True)  # process-wide: this learner's backward
-        if wants_compile(ppo.compile, self.device, peft, self.strategy):
+        # compiled blocks: the log-probs' head compiled too (generation.action_head)
+        self.compiled_blocks = wants_compile(ppo.compile, self.device, peft, self.strategy)
+        if self.compiled_blocks:
             compile_blocks(peft)
         self.model, self.optim, self.infer_model = wrap_learner(peft, ppo.actor_lr, self.strategy, self.device, ppo.max_grad_norm,
                                                                       ppo.colossalai_offload, ppo.bf16_learners(self.device))
@@ -276,7 +278,7 @@ class PolicyWorker(_LearnerMixin, DistributedWorker):
 
         with autocast(self.device):
             logp, ent = forward_actions(self.infer_model, rollout.sequences, rollout.attention_mask, rollout.action_mask.shape[1],
-                                        self.ppo.temperature, self.ppo.pack_tokens, self.device)
+                                        self.ppo.temperature, self.ppo.pack_tokens, self.device, self.compiled_blocks)
         return logp.cpu(), ent.cpu()
 
     @torch.no_grad()
@@ -308,7 +310,7 @@ class PolicyWorker(_LearnerMixin, DistributedWorker):
                 e = Experience(*(t.to(self.device, non_blocking=True) for t in experience[i]))
                 with autocast(self.device):  # the batch's layout from its CPU copy: tasks/ppo/packing.py
                     logp = action_logprobs(self.model, experience[i].sequences, experience[i].attention_mask, e.action_mask.shape[1],
-                                           self.ppo.temperature, self.ppo.pack_tokens, self.device)
+                                           self.ppo.temperature, self.ppo.pack_tokens, self.device, self.compiled_blocks)
                     pl = ppo_clip_loss(logp, e.logprobs, e.advantages, e.action_mask, self.ppo.eps_clip, aggregate)
                     loss = pl.loss
                     if kl_in_loss:
