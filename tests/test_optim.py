@@ -10,15 +10,12 @@ the uninterrupted ones bit for bit.
 
 from __future__ import annotations
 
-import types
+import functools
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 
 from tasks.common.optim import MasterAdamW, params_to_bf16
-from tasks.common.optim_kernel import adam
 from tests.test_decode_attention import _run
 
 SHAPES = [(7, 5), (4099,), (3, 64, 33)]  # one off the Triton block, one across two blocks
@@ -88,14 +85,28 @@ def test_triton_step_equals_torch_step():
     assert _run(check_triton_step_equals_torch_step) == f"{len(SHAPES)} parameters equal (max diff small)"
 
 
-@triton.jit
-def _per_parameter_kernel(p_ptr, g_ptr, w_ptr, m_ptr, v_ptr, n, lr, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, decay, bc1,
-                          bc2_sqrt, BLOCK: tl.constexpr):
-    """The Triton step before the multi-tensor launch, one launch a parameter, over the same
-    arithmetic (``optim_kernel.adam``): the reference for the launch's tables."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    keep = offs < n
-    adam(p_ptr, g_ptr, w_ptr, m_ptr, v_ptr, offs, keep, lr, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, decay, bc1, bc2_sqrt)
+@functools.cache
+def _per_parameter_kernel():
+    """The Triton step before the multi-tensor launch, one launch a parameter: the reference."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(p_ptr, g_ptr, w_ptr, m_ptr, v_ptr, n, lr, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, decay, bc1, bc2_sqrt,
+               BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        keep = offs < n
+        g = tl.load(g_ptr + offs, mask=keep).to(tl.float32)
+        w = tl.load(w_ptr + offs, mask=keep) * decay
+        m = beta1 * tl.load(m_ptr + offs, mask=keep) + one_minus_beta1 * g
+        v = beta2 * tl.load(v_ptr + offs, mask=keep) + one_minus_beta2 * g * g
+        w = w - (lr / bc1) * m / (tl.sqrt(v) / bc2_sqrt + eps)
+        tl.store(w_ptr + offs, w, mask=keep)
+        tl.store(m_ptr + offs, m, mask=keep)
+        tl.store(v_ptr + offs, v, mask=keep)
+        tl.store(p_ptr + offs, w.to(p_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=keep)
+
+    return kernel
 
 
 class _PerParameter(MasterAdamW):
@@ -103,7 +114,7 @@ class _PerParameter(MasterAdamW):
 
     @torch.no_grad()
     def step(self, closure=None):
-        kernel = _per_parameter_kernel
+        kernel = _per_parameter_kernel()
         for group in self.param_groups:
             lr, (b1, b2), eps, wd = float(group["lr"]), group["betas"], group["eps"], group["weight_decay"]
             for p in group["params"]:
@@ -149,14 +160,14 @@ def check_multi_tensor_step_equals_per_parameter_kernel(device: str) -> str:
             assert all(torch.equal(opt_a.state[p][k], opt_b.state[q][k]) for k in ("step", "master", "exp_avg", "exp_avg_sq"))
 
     launches, built = [], optim._kernel
-    k = built()
+    kernel, tl_dtype = built()
 
     class Counted:
         def __getitem__(self, grid):
             launches[-1] += 1
-            return k.step[grid]
+            return kernel[grid]
 
-    block, optim.BLOCK, optim._kernel = optim.BLOCK, 256, lambda: types.SimpleNamespace(step=Counted(), adam=k.adam, dtype=k.dtype)
+    block, optim.BLOCK, optim._kernel = optim.BLOCK, 256, lambda: (Counted(), tl_dtype)
     try:
         ref_params, first = params(), params()
         ref = _PerParameter(ref_params, lr=3e-3, weight_decay=0.1)

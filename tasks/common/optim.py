@@ -36,10 +36,43 @@ BLOCK = 4096
 
 @functools.cache
 def _kernel():
-    """tasks/common/optim_kernel.py (imported on first use: triton only where the step runs)."""
-    from tasks.common import optim_kernel
+    """The Triton step (built once, on first use: triton is imported only where it runs) and
+    torch's floating dtypes as Triton's."""
+    import triton
+    import triton.language as tl
 
-    return optim_kernel
+    @triton.jit(do_not_specialize=["n_params", "n_chunks"])
+    def kernel(ptrs, chunks, n_params, n_chunks, lr, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, decay, bc1, bc2_sqrt,
+               P: tl.constexpr, G: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+        c = tl.program_id(0)  # the chunk table, rows of n_chunks: the parameter, the block's start, the parameter's size
+        j = tl.load(chunks + c)
+        start = tl.multiple_of(tl.load(chunks + n_chunks + c), BLOCK)
+        n = tl.load(chunks + 2 * n_chunks + c)
+        # the pointer table, rows of n_params: the weight, gradient, master, exp_avg, exp_avg_sq of parameter j
+        p_ptr = tl.load(ptrs + j).to(tl.pointer_type(P))
+        g_ptr = tl.load(ptrs + n_params + j).to(tl.pointer_type(G))
+        w_ptr = tl.load(ptrs + 2 * n_params + j).to(tl.pointer_type(tl.float32))
+        m_ptr = tl.load(ptrs + 3 * n_params + j).to(tl.pointer_type(tl.float32))
+        v_ptr = tl.load(ptrs + 4 * n_params + j).to(tl.pointer_type(tl.float32))
+        if ALIGNED:  # every address 16-byte aligned and every size a multiple of 16 (the host checked): what Triton assumes
+            # of pointer and int arguments it specialises so, as it did the per-parameter kernel's: vector loads and stores
+            n = tl.multiple_of(n, 16)
+            p_ptr, g_ptr = tl.multiple_of(p_ptr, 16), tl.multiple_of(g_ptr, 16)
+            w_ptr, m_ptr, v_ptr = tl.multiple_of(w_ptr, 16), tl.multiple_of(m_ptr, 16), tl.multiple_of(v_ptr, 16)
+        offs = start + tl.arange(0, BLOCK)
+        keep = offs < n
+        # 1 - beta comes in from the host: in fp32 on the GPU, 1 - 0.999 is 1.3e-5 off
+        g = tl.load(g_ptr + offs, mask=keep).to(tl.float32)
+        w = tl.load(w_ptr + offs, mask=keep) * decay
+        m = beta1 * tl.load(m_ptr + offs, mask=keep) + one_minus_beta1 * g
+        v = beta2 * tl.load(v_ptr + offs, mask=keep) + one_minus_beta2 * g * g
+        w = w - (lr / bc1) * m / (tl.sqrt(v) / bc2_sqrt + eps)
+        tl.store(w_ptr + offs, w, mask=keep)
+        tl.store(m_ptr + offs, m, mask=keep)
+        tl.store(v_ptr + offs, v, mask=keep)
+        tl.store(p_ptr + offs, w.to(p_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=keep)
+
+    return kernel, lambda dtype: getattr(tl, str(dtype).removeprefix("torch."))
 
 
 @functools.cache
@@ -110,7 +143,7 @@ class MasterAdamW(torch.optim.Optimizer):
     def _triton_step(self, fused: list, lr: float, b1: float, b2: float, eps: float, wd: float) -> None:
         """One launch for the parameters (with their states) of each step count, weight and
         gradient dtype and device: a group's parameters share all four unless some missed steps."""
-        k = _kernel()
+        kernel, tl_dtype = _kernel()
         steps = [s["step"] for _, s in fused]
         torch._foreach_add_(steps, 1)  # the CPU step tensors, as += 1 on each
         launches = {}
@@ -128,8 +161,8 @@ class MasterAdamW(torch.optim.Optimizer):
             # in stream order, after the kernel); the table goes from pinned memory, without a wait
             table = torch.tensor(ptrs, dtype=torch.int64, pin_memory=device.type == "cuda").to(device, non_blocking=True)
             aligned = not any(a % 16 for a in ptrs) and not any(n % 16 for n in numels)
-            k.step[(chunks.shape[1],)](table, chunks, len(members), chunks.shape[1], lr, b1, 1 - b1, b2, 1 - b2, eps, 1 - lr * wd, bc1,
-                                       bc2_sqrt, P=k.dtype(p_dtype), G=k.dtype(g_dtype), ALIGNED=aligned, BLOCK=BLOCK)
+            kernel[(chunks.shape[1],)](table, chunks, len(members), chunks.shape[1], lr, b1, 1 - b1, b2, 1 - b2, eps, 1 - lr * wd, bc1,
+                                       bc2_sqrt, P=tl_dtype(p_dtype), G=tl_dtype(g_dtype), ALIGNED=aligned, BLOCK=BLOCK)
 
     def _chunks(self, numels: tuple[int, ...], device: torch.device) -> torch.Tensor:
         """The chunk table of parameters of these sizes: (3, blocks) int64 on ``device``, each
