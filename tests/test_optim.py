@@ -1,16 +1,13 @@
 """tasks/common/optim.py: AdamW over fp32 masters of bf16 parameters (``ppo.learner_weights`` 'bf16').
 
 Three ways, as the losses are: against torch's AdamW / Adam on fp32 copies (the torch step, op for
-op: exactly), the Triton step against the torch step and, bit for bit, the multi-tensor launch
-against the per-parameter kernel it replaced (natively on CUDA, else in Triton's interpreter in a
-fresh process, ``tests.test_decode_attention._run``), and the state through ``state_dict`` /
-``load_state_dict`` and torch.distributed.checkpoint's full state dicts, whose resumed steps equal
-the uninterrupted ones bit for bit.
+op: exactly), the Triton step against the torch step (natively on CUDA, else in Triton's
+interpreter in a fresh process, ``tests.test_decode_attention._run``), and the state through
+``state_dict`` / ``load_state_dict`` and torch.distributed.checkpoint's full state dicts, whose
+resumed steps equal the uninterrupted ones bit for bit.
 """
 
 from __future__ import annotations
-
-import functools
 
 import pytest
 import torch
@@ -83,133 +80,6 @@ def check_triton_step_equals_torch_step(device: str) -> str:
 
 def test_triton_step_equals_torch_step():
     assert _run(check_triton_step_equals_torch_step) == f"{len(SHAPES)} parameters equal (max diff small)"
-
-
-@functools.cache
-def _per_parameter_kernel():
-    """The Triton step before the multi-tensor launch, one launch a parameter: the reference."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def kernel(p_ptr, g_ptr, w_ptr, m_ptr, v_ptr, n, lr, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, decay, bc1, bc2_sqrt,
-               BLOCK: tl.constexpr):
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        keep = offs < n
-        g = tl.load(g_ptr + offs, mask=keep).to(tl.float32)
-        w = tl.load(w_ptr + offs, mask=keep) * decay
-        m = beta1 * tl.load(m_ptr + offs, mask=keep) + one_minus_beta1 * g
-        v = beta2 * tl.load(v_ptr + offs, mask=keep) + one_minus_beta2 * g * g
-        w = w - (lr / bc1) * m / (tl.sqrt(v) / bc2_sqrt + eps)
-        tl.store(w_ptr + offs, w, mask=keep)
-        tl.store(m_ptr + offs, m, mask=keep)
-        tl.store(v_ptr + offs, v, mask=keep)
-        tl.store(p_ptr + offs, w.to(p_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=keep)
-
-    return kernel
-
-
-class _PerParameter(MasterAdamW):
-    """The step before the multi-tensor launch: its host work and one launch a parameter."""
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        kernel = _per_parameter_kernel()
-        for group in self.param_groups:
-            lr, (b1, b2), eps, wd = float(group["lr"]), group["betas"], group["eps"], group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                s = self._state(p)
-                s["step"] += 1
-                step = float(s["step"])
-                bc1, bc2_sqrt = 1 - b1 ** step, (1 - b2 ** step) ** 0.5
-                n = p.numel()
-                kernel[(-(-n // 4096),)](p, p.grad, s["master"], s["exp_avg"], s["exp_avg_sq"], n, lr, b1, 1 - b1, b2, 1 - b2, eps,
-                                         1 - lr * wd, bc1, bc2_sqrt, BLOCK=4096)
-
-
-MT_SHAPES = [(7, 5), (4099,), (3, 64, 33), (2, 256), (1,)]  # to a 256 block: under it, off it, off it, on it, one element
-MT_SKIPPED = {1: 1, 4: 4}  # step: the parameter without a gradient then (its step count falls behind: two launches)
-
-
-def check_multi_tensor_step_equals_per_parameter_kernel(device: str) -> str:
-    """Six steps of the multi-tensor launch (a 256-element block, a parameter without a gradient
-    at two of them, a state_dict save and load after three) against the per-parameter kernel:
-    steps, masters, moments and bf16 weights equal bit for bit. A gradient that is not
-    contiguous takes the torch step."""
-    import tasks.common.optim as optim
-
-    def params():
-        g = torch.Generator().manual_seed(0)
-        return [torch.nn.Parameter(torch.randn(s, generator=g).to(device, torch.bfloat16)) for s in MT_SHAPES]
-
-    def run(opt, ps, steps):
-        for i in steps:
-            g = torch.Generator().manual_seed(100 + i)
-            for j, p in enumerate(ps):
-                grad = (torch.randn(p.shape, generator=g) * 10 ** (i % 3 - 1)).to(device, torch.bfloat16)
-                p.grad = None if MT_SKIPPED.get(i) == j else grad
-            launches.append(0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-    def assert_equal(opt_a, a, opt_b, b):
-        for p, q in zip(a, b):
-            assert torch.equal(p.detach(), q.detach())
-            assert all(torch.equal(opt_a.state[p][k], opt_b.state[q][k]) for k in ("step", "master", "exp_avg", "exp_avg_sq"))
-
-    launches, built = [], optim._kernel
-    kernel, tl_dtype = built()
-
-    class Counted:
-        def __getitem__(self, grid):
-            launches[-1] += 1
-            return kernel[grid]
-
-    block, optim.BLOCK, optim._kernel = optim.BLOCK, 256, lambda: (Counted(), tl_dtype)
-    try:
-        ref_params, first = params(), params()
-        ref = _PerParameter(ref_params, lr=3e-3, weight_decay=0.1)
-        opt = MasterAdamW(first, lr=3e-3, weight_decay=0.1, triton=True)
-        run(ref, ref_params, range(3))
-        launches.clear()
-        run(opt, first, range(3))
-        assert_equal(ref, ref_params, opt, first)
-        second = [torch.nn.Parameter(p.detach().clone()) for p in first]  # the bf16 weights, as a checkpoint has them
-        resumed = MasterAdamW(second, lr=3e-3, weight_decay=0.1, triton=True)
-        resumed.load_state_dict(opt.state_dict())
-        run(ref, ref_params, range(3, 6))
-        del launches[3:]
-        run(resumed, second, range(3, 6))
-        assert_equal(ref, ref_params, resumed, second)
-        assert launches == [1, 1, 2, 2, 2, 2], launches  # one step count, then two
-
-        a, b = (torch.nn.Parameter(torch.ones(8, 4, dtype=torch.bfloat16, device=device)) for _ in range(2))
-        opts = MasterAdamW([a], lr=3e-3, triton=True), MasterAdamW([b], lr=3e-3, triton=False)
-        for opt, p in zip(opts, (a, b)):
-            p.grad = torch.arange(32.0, device=device).view(4, 8).to(torch.bfloat16).t()  # not contiguous
-            launches.append(0)
-            opt.step()
-        assert launches[-2:] == [0, 0]
-        assert_equal(*opts[:1], [a], *opts[1:], [b])
-    finally:
-        optim.BLOCK, optim._kernel = block, built
-    return f"{len(MT_SHAPES)} parameters equal over 6 steps"
-
-
-def test_multi_tensor_step_equals_per_parameter_kernel():
-    assert _run(check_multi_tensor_step_equals_per_parameter_kernel) == f"{len(MT_SHAPES)} parameters equal over 6 steps"
-
-
-def test_chunk_table_covers_each_parameter_in_blocks_and_is_built_once(monkeypatch):
-    import tasks.common.optim as optim
-
-    monkeypatch.setattr(optim, "BLOCK", 4)
-    opt = MasterAdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
-    table = opt._chunks((9, 4, 1, 0), torch.device("cpu"))  # rows: parameter, start, its size; an empty one has no block
-    assert table.dtype == torch.int64 and table.tolist() == [[0, 0, 0, 1, 2], [0, 4, 8, 0, 0], [9, 9, 9, 4, 1]]
-    assert opt._chunks((9, 4, 1, 0), torch.device("cpu")) is table
 
 
 def test_state_dict_round_trip_keeps_fp32_masters_and_resumes_exactly():
