@@ -167,6 +167,11 @@ def host_syncs(fn) -> list[dict]:
     return [{"site": k, "count": v} for k, v in sorted(sites.items(), key=lambda kv: -kv[1])]
 
 
+def compiles(a) -> bool:
+    """Whether ``--compile`` compiles the learners here: 'blocks' (the stage's) on CUDA only, the others everywhere."""
+    return a.compile != "none" and (DEV == "cuda" or a.compile != "blocks")
+
+
 def compile_as(model, how: str) -> None:
     """``--compile``: 'blocks' (the stage's ``compile_blocks``: each transformer block its own graph),
     'blocks-graphs' (the same with mode 'reduce-overhead': each block's forward and backward
@@ -231,7 +236,7 @@ def learners(a, role: str) -> tuple:
         critic = _Values(lora_value_model(a.shape, DEV, a.lora_critic, seed=1, vocab=a.vocab) if a.lora_critic
                          else build_value_model(a.shape, DEV, torch.bfloat16 if bf16 else torch.float32, seed=1, vocab=a.vocab))
     models = [m for m in (policy, critic) if m is not None]
-    if DEV == "cuda" or a.compile != "blocks":
+    if compiles(a):
         for m in models:
             compile_as(m.rm if m is critic else m, a.compile)
     params = [p for m in models for p in m.parameters() if p.requires_grad]
@@ -267,7 +272,7 @@ def use_variant(a, name: str) -> None:
     """The process-wide switches of variant ``name`` for its epochs: packed attention (``varlen_of``)
     and the log-prob head, compiled where the blocks are unless the name ends in ``-eagerhead``."""
     packing.VARLEN = varlen_of(name)
-    COMPILED_HEAD[0] = (DEV == "cuda" or a.compile != "blocks") and a.compile != "none" and not name.endswith("-eagerhead")
+    COMPILED_HEAD[0] = compiles(a) and not name.endswith("-eagerhead")
 
 
 def time_variants(a, policy, critic, opt, exp: dict, variants: dict, barrier=None) -> dict:

@@ -220,8 +220,7 @@ def _per_position(fn: Callable, logits: Tensor, *rest: Tensor, rows: int = 1024)
     return out.view(logits.shape[:-1])
 
 
-def _action_logits(model, sequences: Tensor, attention_mask: Tensor, num_actions: int, temperature: float,
-                   pack_tokens: int = 0, device: torch.device | str | None = None) -> tuple[Tensor, Tensor, Callable[[Tensor], Tensor]]:
+def _action_logits(model, sequences: Tensor, attention_mask: Tensor, num_actions: int, pack_tokens: int = 0, device: torch.device | str | None = None) -> tuple[Tensor, Tensor, Callable[[Tensor], Tensor]]:
     """Logits that predicted the actions (as the model returns them), the actions, and the map
     from per-action values back to (B, N) (zeros where nothing was computed). The forward runs on
     ``device`` (default: the sequences'); give the batch on the CPU, as it comes from Ray, and the
@@ -272,14 +271,14 @@ def action_logprobs(model, sequences: Tensor, attention_mask: Tensor, num_action
     The model's mode is left alone: PPO ratios need deterministic forwards, so turn dropout off
     (``eval()`` or dropout 0 in the config; a fresh ``get_peft_model`` is in train mode).
     """
-    logits, actions, restore = _action_logits(model, sequences, attention_mask, num_actions, temperature, pack_tokens, device)
+    logits, actions, restore = _action_logits(model, sequences, attention_mask, num_actions, pack_tokens, device)
     return restore(action_head(logits, actions, temperature, compiled=compiled)[0])
 
 
 def forward_actions(model, sequences: Tensor, attention_mask: Tensor, num_actions: int, temperature: float = 1.0,
                     pack_tokens: int = 0, device: torch.device | str | None = None, compiled: bool = False) -> tuple[Tensor, Tensor]:
     """``action_logprobs`` plus the entropy of each action's distribution: ((B, N), (B, N))."""
-    logits, actions, restore = _action_logits(model, sequences, attention_mask, num_actions, temperature, pack_tokens, device)
+    logits, actions, restore = _action_logits(model, sequences, attention_mask, num_actions, pack_tokens, device)
     logp, ent = action_head(logits, actions, temperature, entropy=True, compiled=compiled)
     return restore(logp), restore(ent)
 
@@ -287,14 +286,13 @@ def forward_actions(model, sequences: Tensor, attention_mask: Tensor, num_action
 def action_head(logits: Tensor, actions: Tensor, temperature: float, entropy: bool = False,
                 compiled: bool = False) -> tuple[Tensor, Tensor | None]:
     """(log softmax(logits / T) at ``actions``, the entropy of softmax(logits / T) or None):
-    (..., V), (...) long -> (...) fp32 each.
+    (..., V), (...) long -> (...) fp32 each, by tasks/ppo/losses.py's helpers on an fp32 copy.
 
-    Eager: an fp32 copy of the logits, then tasks/ppo/losses.py's helpers in pieces of 1024
-    positions. ``compiled`` (the learners that compile their blocks, ``ppo.compile``): the same
-    sums as one ``torch.compile``d graph over all positions, which reads the logits in their own
-    dtype and writes no (..., V) tensor forward; its backward writes the logits' gradient once, in
-    their dtype. With a 32k vocabulary and ~4.6k actions the eager pieces move ~0.6 GB of fp32 a
-    pass (bench/RESULTS.md)."""
+    Eager: the copy whole, the helpers in pieces of 1024 positions. ``compiled`` (the learners
+    that compile their blocks, ``ppo.compile``): the helpers over all positions as one
+    ``torch.compile``d graph, which reads the logits in their own dtype (on an H100, 4-8k actions
+    of a 32k-152k vocabulary: 4.4-5.7x the eager speed, half the memory beside the logits;
+    bench/logprob_head.py, bench/RESULTS.md)."""
     if compiled:
         out = _compiled_head(entropy)(logits.reshape(-1, logits.shape[-1]), actions.reshape(-1), temperature)
         return tuple(o.view(actions.shape) for o in out) if entropy else (out.view(actions.shape), None)
@@ -307,10 +305,7 @@ def _compiled_head(entropy: bool) -> Callable:
     """``action_head``'s compiled graph for (K, V) logits and (K,) actions (built on first use;
     dynamic sizes, so every K shares it)."""
     def head(logits: Tensor, actions: Tensor, temperature: float):
-        x = logits.float() / temperature
-        lse = torch.logsumexp(x, -1)
-        logp = torch.gather(x, -1, actions[:, None]).squeeze(-1) - lse
-        if not entropy:
-            return logp
-        return logp, lse - (torch.exp(x - lse[:, None]) * x).sum(-1)
+        x = (logits.float() / temperature)[None]  # one (1, K, V) piece
+        logp = logprobs_from_logits(x, actions[None])[0]
+        return (logp, entropy_from_logits(x)[0]) if entropy else logp
     return torch.compile(head, dynamic=True)
