@@ -78,7 +78,19 @@ class RayNodes:
         self.driver_cwd.mkdir()
         self.worker_cpus, self.head_cpus = worker_cpus, head_cpus
 
-    def _start(self, name: str, cpus: float, *head_args: str) -> None:
+    def _start(self, name: str, cpus: float, *head_args: str, attempts: int = 3) -> None:
+        """``ray start`` one node; tried again (fresh ports, the failed try's processes killed) when
+        Ray gives up on it: a port picked free can be taken before the node binds it, and on a
+        loaded 2-core machine a raylet can miss Ray's 30 s window to register with the GCS (a CI
+        run lost every cluster test to one such node_2 start)."""
+        for attempt in range(1, attempts + 1):
+            failed = self._start_once(name, cpus, *head_args)
+            if failed is None:
+                return
+            if attempt == attempts:
+                raise RuntimeError(f"ray start of {name} failed {attempts} times; the last: {failed}")
+
+    def _start_once(self, name: str, cpus: float, *head_args: str) -> str | None:
         cwd = self.tmp / name
         cwd.mkdir(exist_ok=True)
         ports = [str(p) for p in free_ports(len(PORT_FLAGS) + 1, avoid={self.port})]
@@ -89,10 +101,21 @@ class RayNodes:
                 *(x for pair in zip(PORT_FLAGS, ports) for x in pair),
                 "--object-store-memory", str(200 * 2**20), *head_args]
         log = open(self.tmp / f"{name}.start.log", "w")
+        started = time.time()
         proc = subprocess.Popen(args, cwd=cwd, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        if proc.wait(120) != 0:
-            raise RuntimeError(f"ray start of {name} failed: {(self.tmp / f'{name}.start.log').read_text()[-3000:]}")
-        self.nodes[name] = proc.pid  # the session id of the daemons it left
+        if proc.wait(120) == 0:
+            self.nodes[name] = proc.pid  # the session id of the daemons it left
+            return None
+        for pid in session_pids(proc.pid):  # what the failed try left running
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        # the raylet's own words on why it did not register (its logs sit in the shared session dir)
+        logs = {p.resolve() for p in self.temp_dir.glob("session_*/logs/raylet*")}  # session_latest links one
+        raylet = sorted((p for p in logs if p.stat().st_mtime >= started), key=lambda p: p.stat().st_mtime)[-2:]
+        tails = "".join(f"\n--- {p.name}: {p.read_text(errors='replace')[-1500:]}" for p in raylet)
+        return (self.tmp / f"{name}.start.log").read_text()[-2000:] + tails
 
     def start(self) -> "RayNodes":
         self._start("head", self.head_cpus, "--head", "--port", str(self.port), "--include-dashboard", "false")
