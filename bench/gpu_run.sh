@@ -11,6 +11,8 @@
 #   PARTS_ARGS="--parts gemm,steps --no-autotune --steps triton,triton+tlinear,triton+tuned" bash bench/gpu_run.sh parts
 #                                                     # issue 18: the split-K Triton linears (tasks/ppo/decode_linear.py) beside cuBLAS
 #                                                     # (PARTS_SHAPES="0.4b 1.5b 8b" for more shapes)
+#   bash bench/gpu_run.sh varlen                      # issue 18: tasks/ppo/varlen_kernel.py (tests natively; alone beside aten's flash,
+#                                                     # 0.4b / 1.5b / 8b heads; the 0.4B learn epoch with each)
 #   bash bench/gpu_run.sh nan stage                   # issue 18: which forward turns NaN on the GPU (bench/nan_probe.py); the
 #                                                     # 0.3b stage (fast and plain rollouts), stopping at the first non-finite number
 # grpo = bench/grpo_iteration.py (GRPO n=8 vs PPO, 0.4B shape) and the embedded default with GRPO and the rule as reward.
@@ -23,7 +25,7 @@ for step in "$@"; do
   echo "== $step"
   case $step in
     tests) timeout ${TESTS_TIMEOUT:-540} python3 -m pytest -q -p no:cacheprovider -m "not slow" --durations=12 tests/test_placement.py tests/test_memory.py \
-             tests/test_chat_models.py tests/test_fast_generate.py tests/test_attention_backward.py tests/test_decode_attention.py tests/test_decode_linear.py > "$OUT/tests.log" 2>&1; tail -6 "$OUT/tests.log" ;;
+             tests/test_chat_models.py tests/test_fast_generate.py tests/test_attention_backward.py tests/test_decode_attention.py tests/test_decode_linear.py tests/test_varlen.py > "$OUT/tests.log" 2>&1; tail -6 "$OUT/tests.log" ;;
     default) rm -rf /tmp/art-default; flow default --set store.uri=file:///tmp/art-default
              python3 bench/gpu_summary.py /tmp/art-default "$OUT/gpu_default.csv" > "$OUT/summary_default.json"; cat "$OUT/summary_default.json" ;;
     triton)  # the embedded default with ppo.decode_attention=triton; its data / SFT / RM from `default` when that ran first
@@ -42,6 +44,10 @@ for step in "$@"; do
              --out "$OUT/decode_parts_$sh.json" > "$OUT/decode_parts_$sh.log" 2>&1; grep -vE "^ +[0-9]" "$OUT/decode_parts_$sh.log" | tail -40; done ;;
     mfu) for sh in ${MFU_SHAPES:-0.4b 1.5b}; do timeout 280 python3 bench/useful_mfu.py --shape "$sh" ${MFU_ARGS:---profile} --out "$OUT/useful_mfu_$sh.json" > "$OUT/mfu_$sh.log" 2>&1
            tail -14 "$OUT/mfu_$sh.log"; done ;;
+    varlen) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_varlen.py > "$OUT/varlen_test.log" 2>&1; tail -3 "$OUT/varlen_test.log"
+            timeout 120 python3 bench/varlen_attention.py --out "$OUT/varlen_attention.json" > "$OUT/varlen_attention.log" 2>&1; tail -9 "$OUT/varlen_attention.log"
+            timeout 280 python3 bench/useful_mfu.py --shape 0.4b --minibatch 64 --weights bf16 --variants packed1024,packed1024-tvarlen --reps 12 \
+              --profile --profile-variants packed1024,packed1024-tvarlen --out "$OUT/useful_mfu_tvarlen_0.4b.json" > "$OUT/mfu_tvarlen.log" 2>&1; tail -12 "$OUT/mfu_tvarlen.log" ;;
     decode) timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_decode_attention.py > "$OUT/decode_test.log" 2>&1; tail -3 "$OUT/decode_test.log"
             timeout 300 python3 bench/ppo_iteration.py --shape 0.4b --attention sdpa,triton --skip-rollout-baselines --skip-eager-learn \
               --out "$OUT/decode_attention_0.4b.json" > "$OUT/decode_attention.log" 2>&1; grep -E "^attention|decode step|Error" "$OUT/decode_attention.log" | head ;;

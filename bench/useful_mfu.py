@@ -49,7 +49,7 @@ from bench.common import (H200_BF16_DENSE_TFLOPS, build_policy, build_value_mode
 from tasks.common.optim import MasterAdamW  # noqa: E402
 from tasks.ppo.generation import action_logprobs  # noqa: E402
 from tasks.ppo.losses import ppo_clip_loss, value_loss  # noqa: E402
-from tasks.ppo import packing  # noqa: E402
+from tasks.ppo import packing, varlen  # noqa: E402
 from tasks.ppo.packing import pack  # noqa: E402
 from tasks.ppo.padding import attended_span, length_order  # noqa: E402
 from tasks.ppo.roles import _Values  # noqa: E402
@@ -250,7 +250,7 @@ def parse_variants(a, exp: dict) -> tuple[dict, dict]:
     orders = {"rollout_order": torch.arange(a.batch), "bucket_by_length": length_order(exp["attn_cpu"], a.new_tokens, a.minibatch)}
     variants = {}
     for v in a.variants.split(","):
-        base = v.removesuffix("-eagerhead")
+        base = bare(v)
         if base in orders:
             variants[v] = (orders[base], 0)
         else:  # packedC, packedC_bucket, packedC-mask
@@ -259,19 +259,31 @@ def parse_variants(a, exp: dict) -> tuple[dict, dict]:
     return variants
 
 
+SWITCHES = ("-tvarlen", "-eagerhead")  # a variant name's suffixes that set a switch, not the workload (in this order)
+
+
+def bare(name: str) -> str:
+    """A variant's name without its switches' suffixes."""
+    for suffix in reversed(SWITCHES):
+        name = name.removesuffix(suffix)
+    return name
+
+
 def varlen_of(name: str) -> bool:
     """A variant's packed attention: by the sequences' lengths (tasks/ppo/varlen.py), or ``-mask``:
     transformers' block-diagonal mask (tasks/ppo/packing.py ``VARLEN`` off)."""
-    return not name.removesuffix("-eagerhead").endswith("-mask")
+    return not bare(name).endswith("-mask")
 
 
 COMPILED_HEAD = [False]  # the policy's log-prob head compiled (generation.action_head), as the stage's compiled actor has it
 
 
 def use_variant(a, name: str) -> None:
-    """The process-wide switches of variant ``name`` for its epochs: packed attention (``varlen_of``)
-    and the log-prob head, compiled where the blocks are unless the name ends in ``-eagerhead``."""
+    """The process-wide switches of variant ``name`` for its epochs: packed attention (``varlen_of``),
+    its GPU kernel (tasks/ppo/varlen.py ``KERNEL``: 'triton' where the name has ``-tvarlen``, else
+    aten's flash) and the log-prob head, compiled where the blocks are unless the name ends in ``-eagerhead``."""
     packing.VARLEN = varlen_of(name)
+    varlen.KERNEL = "triton" if "-tvarlen" in name else "flash"
     COMPILED_HEAD[0] = compiles(a) and not name.endswith("-eagerhead")
 
 
@@ -352,7 +364,8 @@ def main() -> None:
                     help="rollout_order / bucket_by_length: unpacked, minibatches in rollout order / by length_order; "
                     "packedC: rows packed into bins of C columns (ppo.pack_tokens C), rollout order, varlen attention; packedC_bucket: by "
                     "length_order; packedC-mask: the bins' attention under transformers' block-diagonal mask (tasks/ppo/packing.py VARLEN off); "
-                    "any of them -eagerhead: the policy's log-prob head eager (the stage compiles it with the blocks)")
+                    "any of them -tvarlen: the varlen attention by tasks/ppo/varlen_kernel.py's Triton kernel, not aten's flash; "
+                    "then -eagerhead: the policy's log-prob head eager (the stage compiles it with the blocks)")
     ap.add_argument("--profile-variants", default="rollout_order,packed1024", help="with --profile: these variants too")
     ap.add_argument("--profile-top", type=int, default=15, help="with --profile: how many ops (by device self time) each profile lists")
     ap.add_argument("--compile", default="blocks", help="how the models are compiled (CUDA; elsewhere only when not 'blocks'): "

@@ -21,7 +21,7 @@ class Layer(torch.nn.Module):
     is_causal = True
 
 
-def alone(q, k, v, cu, scale, window=None, softcap=None):
+def alone(q, k, v, cu, scale, window=None, softcap=None, causal=True):
     """Each sequence of the flat (T, H, D) q / (T, Hkv, D) k, v by itself, fp32, -> (T, H, D)."""
     g = q.shape[1] // k.shape[1]
     out = []
@@ -32,7 +32,7 @@ def alone(q, k, v, cu, scale, window=None, softcap=None):
         if softcap:
             s = torch.tanh(s / softcap) * softcap
         i = torch.arange(b - a, device=q.device)
-        keep = i[:, None] >= i[None, :]
+        keep = i[:, None] >= i[None, :] if causal else torch.ones(b - a, b - a, dtype=torch.bool, device=q.device)
         if window:
             keep &= i[:, None] - i[None, :] < window
         out.append((s.masked_fill(~keep, float("-inf")).softmax(-1) @ vs).transpose(0, 1))
@@ -82,3 +82,80 @@ def test_outside_a_packed_forward_it_refuses_and_the_model_gets_its_attention_ba
     with attend_packed(config):
         assert config._attn_implementation == "rlhf_packed"
     assert config._attn_implementation == "sdpa"
+
+
+# -- tasks/ppo/varlen_kernel.py (varlen.KERNEL 'triton'): natively on CUDA, else in Triton's interpreter ---------------
+# (lengths, H, H_kv, D, causal): a sequence of 1 token, shorter than a tile, of exactly one 64-row
+# tile, of several tiles with a ragged last; GQA groups of 1, 2 and 4; head dims 32, 64, 128 and 80
+# (the last padded to a power of two)
+KERNEL_CASES = [([1, 37, 64, 130], 4, 4, 64, True), ([200, 3, 65], 8, 2, 128, True), ([70, 1, 9], 4, 1, 80, True),
+                ([33, 64, 5], 2, 2, 32, False), ([129], 4, 2, 64, False)]
+
+
+def check_triton_kernel_equals_each_sequence_alone(device: str) -> str:
+    """The kernel's output and q / k / v gradients against fp32 attention of each sequence alone:
+    fp32 inputs to 1e-5 (IEEE products), bf16 inputs within bf16's rounding."""
+    from tasks.ppo.varlen_kernel import varlen_attention
+
+    n = 0
+    for lengths, H, Hkv, D, causal in KERNEL_CASES:
+        for dtype in (torch.float32, torch.bfloat16):
+            g = torch.Generator().manual_seed(n)
+            cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+            T = int(cu[-1])
+            q, k, v = (torch.randn(T, h, D, generator=g).to(device, dtype).requires_grad_() for h in (H, Hkv, Hkv))
+            grad = torch.randn(T, H, D, generator=g).to(device, dtype)
+            out, lse = varlen_attention(q, k, v, cu, max(lengths), D ** -0.5, causal)
+            got = [out, *torch.autograd.grad(out, (q, k, v), grad)]
+            qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
+            want = alone(qf, kf, vf, cu, D ** -0.5, causal=causal)
+            want = [want, *torch.autograd.grad(want, (qf, kf, vf), grad.float())]
+            tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=6e-2)
+            for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+                assert a.dtype == dtype and a.shape == b.shape, (name, a.dtype, a.shape)
+                torch.testing.assert_close(a.float(), b, **tol, msg=lambda m: f"{lengths, H, Hkv, D, causal, dtype} {name}: {m}")
+            assert lse.shape == (H, T) and torch.isfinite(lse).all()
+            n += 1
+    return f"{n} cases equal"
+
+
+def check_packed_models_through_the_triton_kernel(device: str) -> str:
+    """Whole models' packed log-probs, entropies and parameter gradients with ``KERNEL = 'triton'``
+    equal their padded forwards (Llama: RoPE, GQA; Qwen2: q/k/v biases; GPT-2: absolute positions),
+    and the kernel is what ran: a window, softcapping or dropout fall back to the masked path."""
+    from tasks.ppo import varlen
+    from tasks.ppo.generation import forward_actions
+    from tests.test_packing import ragged, tiny
+
+    varlen.KERNEL = "triton"
+    q = torch.zeros(1, 2, 4, 8, device=device)
+    assert varlen._triton_dtype(q, None, None, 0.0) == torch.float32
+    assert [varlen._triton_dtype(q, *x) for x in ((30.0, None, 0.0), (None, 3, 0.0), (None, None, 0.1))] == [None] * 3
+    for arch in ("llama", "qwen2", "gpt2"):
+        model = tiny(arch).to(device)
+        ro = ragged(B=9, P=12, N=8, V=64, seed=3)
+        seqs, mask, act = ro.sequences.to(device), ro.attention_mask.to(device), ro.action_mask.bool().to(device)
+        out = {}
+        for pack_tokens in (0, 32):
+            model.zero_grad()
+            logp, ent = forward_actions(model, seqs, mask, 8, 0.7, pack_tokens)
+            (logp * act).sum().backward()
+            out[pack_tokens] = logp.detach(), ent.detach(), [p.grad.clone() for p in model.parameters()]
+        (lp0, e0, g0), (lp, e, g) = out[0], out[32]
+        torch.testing.assert_close(lp[act], lp0[act], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(e[act], e0[act], rtol=1e-5, atol=1e-5)
+        for a, b in zip(g, g0):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    return "3 models equal"
+
+
+def test_triton_kernel_equals_each_sequence_alone():
+    from tests.test_decode_attention import _run
+
+    assert _run(check_triton_kernel_equals_each_sequence_alone) == f"{2 * len(KERNEL_CASES)} cases equal"
+
+
+def test_packed_models_through_the_triton_kernel_equal_padded():
+    from tests.test_decode_attention import _run
+
+    assert _run(check_packed_models_through_the_triton_kernel) == "3 models equal"

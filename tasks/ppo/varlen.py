@@ -12,6 +12,10 @@ and ``packed_attention`` serves as the model's attention function while ``attend
   softcapping: aten's flash varlen kernel (``torch.ops.aten._flash_attention_forward`` with
   cumulative lengths; torch's autograd has its backward), which visits only the key blocks of
   each query's own sequence, GQA without repeating K/V.
+- with ``KERNEL = 'triton'`` (bench/useful_mfu.py's '-tvarlen' variants; not measured on a GPU
+  yet, so not the default), no sliding window, softcapping or dropout: tasks/ppo/varlen_kernel.py,
+  a Triton flash attention for short packed sequences, forward and backward one launch each (on
+  CUDA; on the CPU only in Triton's interpreter, for the tests).
 - anything else (CPU, fp32, Gemma 2's softcapping, other head dims): a dense masked attention per
   bin with the mask built from the same lengths (what transformers computed before).
 
@@ -22,28 +26,45 @@ window where the layer has one; no query row is fully masked (each sees itself).
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 NAME = "rlhf_packed"  # the attention implementation this module registers with transformers
+KERNEL = "flash"  # the GPU's kernel: 'flash' (aten's) or 'triton' (tasks/ppo/varlen_kernel.py), read at call time
 HALF = (torch.float16, torch.bfloat16)
 FLASH_GPU: list[bool] = []  # [whether this process's GPU runs the flash kernel (sm80+)], set by ``attend_packed``
 # outside any compiled region: the attention function reads it as a constant
 
 
+def _run_dtype(query: Tensor) -> torch.dtype:
+    """The query's dtype if half, else under autocast its dtype (fp32 master weights under bf16
+    autocast give fp32 queries: RoPE's fp32 cos / sin promote the bf16 projections; SDPA would
+    cast them too), else fp32."""
+    if query.dtype in HALF:
+        return query.dtype
+    autocast = torch.is_autocast_enabled(query.device.type) and torch.get_autocast_dtype(query.device.type)
+    return autocast if autocast in HALF else query.dtype
+
+
 def _flash_dtype(query: Tensor, softcap: float | None) -> torch.dtype | None:
-    """The dtype the flash kernel runs this attention in, or None where it does not: the query's
-    if half, else under CUDA autocast its dtype (fp32 master weights under bf16 autocast give
-    fp32 queries: RoPE's fp32 cos / sin promote the bf16 projections; SDPA would cast them too)."""
+    """The dtype the flash kernel runs this attention in, or None where it does not."""
     if not (query.is_cuda and FLASH_GPU and FLASH_GPU[0] and softcap is None and query.shape[-1] % 8 == 0
             and query.shape[-1] <= 256):
         return None
-    if query.dtype in HALF:
-        return query.dtype
-    autocast = torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda")
-    return autocast if autocast in HALF else None
+    dtype = _run_dtype(query)
+    return dtype if dtype in HALF else None
+
+
+def _triton_dtype(query: Tensor, softcap: float | None, window: int | None, dropout: float) -> torch.dtype | None:
+    """The dtype tasks/ppo/varlen_kernel.py runs this attention in, or None where it does not."""
+    if KERNEL != "triton" or softcap is not None or window or dropout or query.shape[-1] > 256:
+        return None
+    if not (query.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        return None
+    return _run_dtype(query)
 
 
 def packed_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
@@ -64,6 +85,11 @@ def packed_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value:
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     scaling = D ** -0.5 if scaling is None else scaling
     window = sliding_window if sliding_window and sliding_window < max_length_q else None
+    if (dtype := _triton_dtype(query, softcap, window, dropout)) is not None:
+        from tasks.ppo.varlen_kernel import varlen_attention
+
+        q, k, v = (t.transpose(1, 2).reshape(R * C, t.shape[1], D).to(dtype) for t in (query, key, value))
+        return varlen_attention(q, k, v, cu_seq_lens_q, max_length_q, scaling, causal)[0].view(R, C, H, D), None
     if (half := _flash_dtype(query, softcap)) is not None:
         q, k, v = (t.transpose(1, 2).reshape(R * C, t.shape[1], D).to(half) for t in (query, key, value))
         side = {"window_size_left": window - 1, "window_size_right": 0} if window else {}
