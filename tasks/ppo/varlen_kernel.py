@@ -39,7 +39,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # tiles, read at call time (a bench may sweep them): the forward's query rows and key columns, the
 # backward's one tile size (a program's key tile and query tile are the same rows of its sequence)
 BLOCK_M, BLOCK_N, BLOCK_BWD = 64, 64, 64
-NUM_WARPS, NUM_STAGES = 4, 2
+NUM_WARPS, NUM_STAGES = 0, 2  # warps 0: 4 for head dims up to 64, else 8 (a backward program holds 4 fp32 tiles of the head dim)
 
 
 @triton.jit
@@ -173,6 +173,10 @@ def _block_d(D: int) -> int:
     return max(16, triton.next_power_of_2(D))  # tl.dot's smallest K
 
 
+def _warps(D: int) -> int:
+    return NUM_WARPS or (4 if D <= 64 else 8)
+
+
 @torch.library.triton_op("rlhf::varlen_attention", mutates_args=())
 def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_len: int, scale: float,
                      causal: bool = True) -> tuple[Tensor, Tensor]:
@@ -189,7 +193,7 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_len: int, 
         q, k, v, out, lse, cu, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), lse.stride(0), H // k.shape[1], D, scale * LOG2E,
         CAUSAL=causal, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=_block_d(D), WIDEN=INTERPRETED,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        num_warps=_warps(D), num_stages=NUM_STAGES)
     return out, lse
 
 
@@ -207,7 +211,7 @@ def varlen_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out
         q, k, v, out, dout, lse, dq, dk, dv, cu, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
         v.stride(1), out.stride(0), out.stride(1), lse.stride(0), dq.stride(0), dq.stride(1), dk.stride(0), dk.stride(1),
         H // k.shape[1], D, scale, scale * LOG2E,
-        CAUSAL=causal, BLOCK=BLOCK_BWD, BLOCK_D=_block_d(D), WIDEN=INTERPRETED, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        CAUSAL=causal, BLOCK=BLOCK_BWD, BLOCK_D=_block_d(D), WIDEN=INTERPRETED, num_warps=_warps(D), num_stages=NUM_STAGES)
     return dq, dk, dv
 
 
