@@ -123,11 +123,14 @@ def check_packed_models_through_the_triton_kernel(device: str) -> str:
     """Whole models' packed log-probs, entropies and parameter gradients with ``KERNEL = 'triton'``
     equal their padded forwards (Llama: RoPE, GQA; Qwen2: q/k/v biases; GPT-2: absolute positions),
     and the kernel is what ran: a window, softcapping or dropout fall back to the masked path."""
+    import tasks.ppo.varlen_kernel as kernel
     from tasks.ppo import varlen
     from tasks.ppo.generation import forward_actions
     from tests.test_packing import ragged, tiny
 
     varlen.KERNEL = "triton"
+    calls, op = [], kernel.varlen_attention
+    kernel.varlen_attention = lambda *a: calls.append(1) or op(*a)  # noqa: E731  (counts the packed layers that took it)
     q = torch.zeros(1, 2, 4, 8, device=device)
     assert varlen._triton_dtype(q, None, None, 0.0) == torch.float32
     assert [varlen._triton_dtype(q, *x) for x in ((30.0, None, 0.0), (None, 3, 0.0), (None, None, 0.1))] == [None] * 3
@@ -146,6 +149,7 @@ def check_packed_models_through_the_triton_kernel(device: str) -> str:
         torch.testing.assert_close(e[act], e0[act], rtol=1e-5, atol=1e-5)
         for a, b in zip(g, g0):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert len(calls) == 3 * 2, calls  # each model's 2 layers, in its packed forward
     return "3 models equal"
 
 
