@@ -45,7 +45,7 @@ for step in "$@"; do
     mfu) for sh in ${MFU_SHAPES:-0.4b 1.5b}; do timeout 280 python3 bench/useful_mfu.py --shape "$sh" ${MFU_ARGS:---profile} --out "$OUT/useful_mfu_$sh.json" > "$OUT/mfu_$sh.log" 2>&1
            tail -14 "$OUT/mfu_$sh.log"; done ;;
     varlen) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_varlen.py > "$OUT/varlen_test.log" 2>&1; tail -3 "$OUT/varlen_test.log"
-            timeout 150 python3 bench/varlen_attention.py --settings ${VARLEN_SETTINGS:-64,64,64,0,2,128,64,64,0,3,64,64,32,0,2,128,128,64,8,2} --out "$OUT/varlen_attention.json" > "$OUT/varlen_attention.log" 2>&1; tail -18 "$OUT/varlen_attention.log"
+            timeout 150 python3 bench/varlen_attention.py --settings ${VARLEN_SETTINGS:-0,0,0,0,0,0,0,0,0,32,0,0,128,64,8,0,0,3,0,0,0,0,4,0} --out "$OUT/varlen_attention.json" > "$OUT/varlen_attention.log" 2>&1; tail -18 "$OUT/varlen_attention.log"
             timeout 280 python3 bench/useful_mfu.py --shape 0.4b --minibatch 64 --weights bf16 --variants packed1024,packed1024-tvarlen --reps 12 \
               --profile --profile-variants packed1024,packed1024-tvarlen --out "$OUT/useful_mfu_tvarlen_0.4b.json" > "$OUT/mfu_tvarlen.log" 2>&1; tail -12 "$OUT/mfu_tvarlen.log" ;;
     decode) timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_decode_attention.py > "$OUT/decode_test.log" 2>&1; tail -3 "$OUT/decode_test.log"

@@ -1,7 +1,7 @@
 """The learners' packed attention alone: aten's flash varlen kernel against tasks/ppo/varlen_kernel.py.
 
     python3 bench/varlen_attention.py                        # CUDA: the 0.4b, 1.5b and 8b heads, 64 sequences of 40-256 tokens
-    python3 bench/varlen_attention.py --settings 64,64,64,0,2,128,64,64,8,3   # CUDA: two launch settings of the Triton kernel
+    python3 bench/varlen_attention.py --settings 0,0,0,0,0,0,128,64,8,64,8,3   # CUDA: two launch settings of the Triton kernel
     TRITON_INTERPRET=1 python3 bench/varlen_attention.py --shapes tiny --seqs 4 --reps 1   # a CPU smoke run
 
 One call of ``tasks/ppo/varlen.packed_attention`` as a learner's layer makes it (one bin holding
@@ -10,7 +10,8 @@ heads and head dimension), with ``varlen.KERNEL`` 'flash' and 'triton': millisec
 forward and of forward + backward (median of ``--reps`` after 3 warm-ups), the causal FLOPs' rate,
 and each kernel's largest error against an fp32 attention of each sequence alone (output and the
 three gradients), side by side with the ratio (the Triton kernel once per ``--settings`` entry, its launch settings:
-BLOCK_M, BLOCK_N, BLOCK_BWD, NUM_WARPS, NUM_STAGES of tasks/ppo/varlen_kernel.py; the ratio is
+BLOCK_M, BLOCK_N, FWD_WARPS, BLOCK_BWD, BWD_WARPS, NUM_STAGES of tasks/ppo/varlen_kernel.py, 0 for
+its choice by head dim; the ratio is
 flash's time over the fastest entry's). The 0.4B learn epoch of bench/RESULTS.md (twelfth
 session) makes 48 such calls of ~9,300 tokens, and took 14.4 ms in them with flash.
 """
@@ -29,6 +30,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import SHAPES, machine, sync, write_json  # noqa: E402
 from tasks.ppo import varlen  # noqa: E402
 from tasks.ppo import varlen_kernel  # noqa: E402
+
+DEFAULTS = (varlen_kernel.BLOCK_M, varlen_kernel.BLOCK_N, varlen_kernel.FWD_WARPS, varlen_kernel.BLOCK_BWD, varlen_kernel.BWD_WARPS,
+            varlen_kernel.NUM_STAGES)  # the module's own, where a --settings entry gives 0
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -89,16 +93,16 @@ def main() -> None:
     ap.add_argument("--seqs", type=int, default=64)
     ap.add_argument("--lengths", default="40,256", help="lo,hi: each sequence's length uniform in [lo, hi]")
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--settings", default=None, help="groups of 5 comma-separated ints: BLOCK_M,BLOCK_N,BLOCK_BWD,NUM_WARPS,NUM_STAGES "
-                    "(NUM_WARPS 0: by head dim); default: the module's own")
+    ap.add_argument("--settings", default=None, help="groups of 6 comma-separated ints: BLOCK_M,BLOCK_N,FWD_WARPS,BLOCK_BWD,BWD_WARPS,"
+                    "NUM_STAGES (0: tasks/ppo/varlen_kernel.py's choice by head dim); default: the module's own")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     with varlen.attend_packed(__import__("transformers").LlamaConfig()):  # registers the function, reads the GPU's generation
         pass
     lo, hi = map(int, a.lengths.split(","))
     ints = [int(x) for x in a.settings.split(",")] if a.settings else []
-    assert len(ints) % 5 == 0, "--settings: groups of 5 ints"
-    settings = [tuple(ints[i:i + 5]) for i in range(0, len(ints), 5)] or [None]
+    assert len(ints) % 6 == 0, "--settings: groups of 6 ints"
+    settings = [tuple(ints[i:i + 6]) for i in range(0, len(ints), 6)] or [None]
     g = torch.Generator().manual_seed(0)
     res = {"command": " ".join(["bench/varlen_attention.py", *sys.argv[1:]]), "machine": machine(), "rows": []}
     for shape in a.shapes.split(","):
@@ -119,10 +123,11 @@ def main() -> None:
         runs += [("triton" if i == 0 else f"triton{i}", st) for i, st in enumerate(settings)]
         for kernel, st in runs:
             if st:
-                varlen_kernel.BLOCK_M, varlen_kernel.BLOCK_N, varlen_kernel.BLOCK_BWD, varlen_kernel.NUM_WARPS, varlen_kernel.NUM_STAGES = st
+                (varlen_kernel.BLOCK_M, varlen_kernel.BLOCK_N, varlen_kernel.FWD_WARPS, varlen_kernel.BLOCK_BWD, varlen_kernel.BWD_WARPS,
+                 varlen_kernel.NUM_STAGES) = (x or d for x, d in zip(st, DEFAULTS))
             r = run(kernel.rstrip("0123456789"), q, k, v, cu, int(lens.max()), grad, a.reps)
             err = [(r["out"] - want).abs().max().item()] + [(x - y).abs().max().item() for x, y in zip(r["grads"], want_grads)]
-            row[kernel] = {"settings": st, "forward_ms": r["forward_ms"], "forward_backward_ms": r["forward_backward_ms"],
+            row[kernel] = {"settings": varlen_kernel.settings(D), "forward_ms": r["forward_ms"], "forward_backward_ms": r["forward_backward_ms"],
                            "forward_tflops": flops / r["forward_ms"] / 1e9,
                            "forward_backward_tflops": 3.5 * flops / r["forward_backward_ms"] / 1e9,  # backward ~2.5x the forward
                            "max_err_out_dq_dk_dv": err}

@@ -163,3 +163,46 @@ def test_packed_models_through_the_triton_kernel_equal_padded():
     from tests.test_decode_attention import _run
 
     assert _run(check_packed_models_through_the_triton_kernel) == "3 models equal"
+
+
+def _sm90_resources(fn, constexprs: dict, warps: int, stages: int) -> dict:
+    """``fn`` compiled by Triton for an H100 (sm90) on this machine, no GPU needed (Triton's own
+    ptxas): {'regs', 'spill_bytes'} a thread, from cuobjdump's resource usage of the cubin."""
+    import re
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    types = {"LSE": "*fp32", "CU": "*i32", "scale": "fp32", "scale_log2": "fp32", "G": "i32", "D": "i32"}
+    signature = {}
+    for i, name in enumerate(fn.arg_names):
+        signature[name] = ("constexpr" if i in fn.constexprs else types.get(name)
+                           or ("*bf16" if name.isupper() else "i32"))  # the tensors, then strides
+    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": warps, "num_stages": stages})
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True, check=True).stdout
+    regs, stack = (int(re.search(rf"{key}:(\d+)", usage).group(1)) for key in ("REG", "STACK"))
+    return {"regs": regs, "spill_bytes": stack}
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_triton_kernels_spill_no_registers_on_an_h100(D):
+    """The kernels' launch settings (``varlen_kernel.settings``) at the learners' head dims, bf16,
+    compiled for sm90 here: no program spills registers to local memory (the backward at 64-row
+    tiles and 4 warps spilled 760 B a thread at head dim 64; at 128 it spills at any warp count)."""
+    from tasks.ppo import varlen_kernel as vk
+
+    block_m, block_n, fwd_warps, block, bwd_warps, stages = vk.settings(D)
+    common = {"CAUSAL": True, "BLOCK_D": D, "WIDEN": False}
+    fwd = _sm90_resources(vk._forward_kernel, {**common, "BLOCK_M": block_m, "BLOCK_N": block_n}, fwd_warps, stages)
+    bwd = _sm90_resources(vk._backward_kernel, {**common, "BLOCK": block}, bwd_warps, stages)
+    assert fwd["spill_bytes"] == 0 and bwd["spill_bytes"] == 0, (vk.settings(D), fwd, bwd)
+    assert 0 < fwd["regs"] <= 255 and 0 < bwd["regs"] <= 255

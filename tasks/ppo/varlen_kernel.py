@@ -21,7 +21,8 @@ Programs whose tile lies past their sequence's end return at once. ``varlen_atte
 ``torch.library.triton_op`` with its autograd registered, so torch.compile (the learners'
 compiled blocks) traces both kernels. tasks/ppo/varlen.py chooses it (``KERNEL``); the tests
 run it in Triton's interpreter (TRITON_INTERPRET=1), the GPU run checks and times it
-(bench/useful_mfu.py's '-tvarlen' variants, bench/kernel_checks.py varlen).
+(bench/varlen_attention.py, bench/useful_mfu.py's '-tvarlen' variants); ptxas's register counts for an
+H100 are checked without one (tests/test_varlen.py).
 """
 
 from __future__ import annotations
@@ -36,10 +37,13 @@ from torch import Tensor
 # Triton's interpreter multiplies bfloat16 bit patterns in tl.dot (tasks/ppo/decode_attention.py):
 # there the operands, already in the input dtype, are widened to fp32 first
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-# tiles, read at call time (a bench may sweep them): the forward's query rows and key columns, the
-# backward's one tile size (a program's key tile and query tile are the same rows of its sequence)
-BLOCK_M, BLOCK_N, BLOCK_BWD = 64, 64, 64
-NUM_WARPS, NUM_STAGES = 0, 2  # warps 0: 4 for head dims up to 64, else 8 (a backward program holds 4 fp32 tiles of the head dim)
+# launch settings, read at call time (bench/varlen_attention.py --settings sweeps them); 0 = by the
+# head dim, as ``settings`` says. The forward's query rows and key columns a tile, the backward's
+# one tile (a program's key tile and query tile are the same rows of its sequence). Chosen so that
+# no program spills registers on an H100 (sm90, bf16; ptxas's counts, tests/test_varlen.py): the
+# backward holds four fp32 tiles of the head dim (dK, dV and two of scores), so at 64-row tiles it
+# spilled 760 B a thread at 4 warps and head dim 64, and at any warp count at 128.
+BLOCK_M, BLOCK_N, FWD_WARPS, BLOCK_BWD, BWD_WARPS, NUM_STAGES = 64, 64, 0, 0, 8, 2
 
 
 @triton.jit
@@ -173,8 +177,12 @@ def _block_d(D: int) -> int:
     return max(16, triton.next_power_of_2(D))  # tl.dot's smallest K
 
 
-def _warps(D: int) -> int:
-    return NUM_WARPS or (4 if D <= 64 else 8)
+def settings(D: int) -> tuple[int, int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, forward warps, BLOCK_BWD, backward warps, stages) for head dim ``D``:
+    the module's, with each 0 taken by the head dim (forward warps 4 up to 64, else 8; backward
+    tiles of 64 rows up to 64, else 32)."""
+    return (BLOCK_M, BLOCK_N, FWD_WARPS or (4 if D <= 64 else 8), BLOCK_BWD or (64 if D <= 64 else 32), BWD_WARPS or 8,
+            NUM_STAGES)
 
 
 @torch.library.triton_op("rlhf::varlen_attention", mutates_args=())
@@ -188,12 +196,13 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_len: int, 
     T, H, D = q.shape
     out = q.new_empty(q.shape)  # contiguous: the backward reads dO with its strides
     lse = torch.empty((H, T), dtype=torch.float32, device=q.device)
-    grid = (triton.cdiv(max_len, BLOCK_M), cu.shape[0] - 1, H)
+    block_m, block_n, warps, _, _, stages = settings(D)
+    grid = (triton.cdiv(max_len, block_m), cu.shape[0] - 1, H)
     torch.library.wrap_triton(_forward_kernel)[grid](
         q, k, v, out, lse, cu, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), lse.stride(0), H // k.shape[1], D, scale * LOG2E,
-        CAUSAL=causal, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=_block_d(D), WIDEN=INTERPRETED,
-        num_warps=_warps(D), num_stages=NUM_STAGES)
+        CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_block_d(D), WIDEN=INTERPRETED,
+        num_warps=warps, num_stages=stages)
     return out, lse
 
 
@@ -206,12 +215,13 @@ def varlen_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out
     dout = dout.contiguous()  # read with out's (contiguous) strides
     # contiguous, whatever the inputs' strides (GPT-2's q / k / v are views of one projection)
     dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-    grid = (triton.cdiv(max_len, BLOCK_BWD), cu.shape[0] - 1, k.shape[1])
+    _, _, _, block, warps, stages = settings(D)
+    grid = (triton.cdiv(max_len, block), cu.shape[0] - 1, k.shape[1])
     torch.library.wrap_triton(_backward_kernel)[grid](
         q, k, v, out, dout, lse, dq, dk, dv, cu, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
         v.stride(1), out.stride(0), out.stride(1), lse.stride(0), dq.stride(0), dq.stride(1), dk.stride(0), dk.stride(1),
         H // k.shape[1], D, scale, scale * LOG2E,
-        CAUSAL=causal, BLOCK=BLOCK_BWD, BLOCK_D=_block_d(D), WIDEN=INTERPRETED, num_warps=_warps(D), num_stages=NUM_STAGES)
+        CAUSAL=causal, BLOCK=block, BLOCK_D=_block_d(D), WIDEN=INTERPRETED, num_warps=warps, num_stages=stages)
     return dq, dk, dv
 
 
