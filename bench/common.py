@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import platform
+import statistics
 import time
 from contextlib import contextmanager
 
@@ -140,6 +141,21 @@ def timed(out: dict, key: str):
     yield
     sync()
     out[key] = time.perf_counter() - t
+
+
+def median_ms(fn, reps: int, warmup: int = 0) -> float:
+    """The median milliseconds of ``reps`` calls of ``fn``, each synchronised on both sides, after
+    ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(reps):
+        sync()
+        t = time.perf_counter()
+        fn()
+        sync()
+        ts.append(time.perf_counter() - t)
+    return 1e3 * statistics.median(ts)
 
 
 def reset_peak():

@@ -15,14 +15,12 @@ and the peak memory above the logits and their gradient (CUDA), side by side wit
 from __future__ import annotations
 
 import os
-import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import machine, sync, write_json  # noqa: E402
+from bench.common import machine, median_ms, sync, write_json  # noqa: E402
 from tasks.ppo.generation import action_head  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -47,16 +45,10 @@ def run(logits: torch.Tensor, actions: torch.Tensor, compiled: bool, reps: int) 
         torch.cuda.empty_cache()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-    ts = []
-    for _ in range(reps):
-        sync()
-        t = time.perf_counter()
-        once()
-        sync()
-        ts.append(time.perf_counter() - t)
+    ms = median_ms(once, reps)
     grad_bytes = x.numel() * x.element_size()  # the gradient both ways must write: not counted as extra
     extra = (torch.cuda.max_memory_allocated() - base - grad_bytes) / 2**30 if DEV == "cuda" else None
-    return {"ms": 1e3 * statistics.median(ts), "extra_peak_gib": extra}
+    return {"ms": ms, "extra_peak_gib": extra}
 
 
 def main() -> None:

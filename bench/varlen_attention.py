@@ -19,15 +19,13 @@ session) makes 48 such calls of ~9,300 tokens, and took 14.4 ms in them with fla
 from __future__ import annotations
 
 import os
-import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import SHAPES, machine, sync, write_json  # noqa: E402
+from bench.common import SHAPES, machine, median_ms, write_json  # noqa: E402
 from tasks.ppo import varlen  # noqa: E402
 from tasks.ppo import varlen_kernel  # noqa: E402
 
@@ -69,16 +67,7 @@ def run(kernel: str, q, k, v, cu, max_len: int, grad, reps: int) -> dict:
 
     times = {}
     for name, fn in (("forward", lambda: torch.no_grad()(forward)()), ("forward_backward", both)):
-        for _ in range(3):
-            fn()
-        ts = []
-        for _ in range(reps):
-            sync()
-            t = time.perf_counter()
-            fn()
-            sync()
-            ts.append(time.perf_counter() - t)
-        times[name + "_ms"] = 1e3 * statistics.median(ts)
+        times[name + "_ms"] = median_ms(fn, reps, warmup=3)
     out = forward()
     qb.grad = kb.grad = vb.grad = None
     out.backward(grad)

@@ -54,9 +54,22 @@ def _dot(a, b, WIDEN: tl.constexpr):
 
 
 @triton.jit
+def _span(CU, seq):
+    """(first token, length) of sequence ``seq``."""
+    start = tl.load(CU + seq)
+    return start, tl.load(CU + seq + 1) - start
+
+
+@triton.jit
 def _rows(X, start, rows, ok, s_t, s_h, head, d, d_ok):
     """Rows ``rows`` of one head of a (T, heads, D) tensor from token ``start`` on; zeros where not ``ok``."""
     return tl.load(X + (start + rows)[:, None] * s_t + head * s_h + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
+
+
+@triton.jit
+def _store_rows(X, value, start, rows, ok, s_t, s_h, head, d, d_ok):
+    """``value`` (fp32) into ``_rows``'s places of X, in X's dtype."""
+    tl.store(X + (start + rows)[:, None] * s_t + head * s_h + d[None, :], value.to(X.dtype.element_ty), mask=ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
@@ -64,8 +77,7 @@ def _forward_kernel(Q, K, V, O, LSE, CU, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_
                     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                     WIDEN: tl.constexpr):
     tile, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    start = tl.load(CU + seq)
-    length = tl.load(CU + seq + 1) - start
+    start, length = _span(CU, seq)
     if tile * BLOCK_M >= length:
         return
     kv_head = head // G
@@ -92,9 +104,7 @@ def _forward_kernel(Q, K, V, O, LSE, CU, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, WIDEN)
         s = s * alpha + tl.sum(p, 1)
         m = m_new
-    out = acc / s[:, None]
-    tl.store(O + (start + rows)[:, None] * so_t + head * so_h + d[None, :], out.to(O.dtype.element_ty),
-             mask=row_ok[:, None] & d_ok[None, :])
+    _store_rows(O, acc / s[:, None], start, rows, row_ok, so_t, so_h, head, d, d_ok)
     tl.store(LSE + head * sl_h + start + rows, m + tl.log2(s), mask=row_ok)
 
 
@@ -103,8 +113,7 @@ def _backward_kernel(Q, K, V, O, DO, LSE, DQ, DK, DV, CU, sq_t, sq_h, sk_t, sk_h
                      sdq_t, sdq_h, sdk_t, sdk_h, G, D, scale, scale_log2, CAUSAL: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
                      WIDEN: tl.constexpr):
     tile, seq, kv_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    start = tl.load(CU + seq)
-    length = tl.load(CU + seq + 1) - start
+    start, length = _span(CU, seq)
     if tile * BLOCK >= length:
         return
     idx = tile * BLOCK + tl.arange(0, BLOCK)  # this program's key columns, then its query rows
@@ -134,10 +143,8 @@ def _backward_kernel(Q, K, V, O, DO, LSE, DQ, DK, DV, CU, sq_t, sq_h, sk_t, sk_h
             dv += _dot(pt.to(do.dtype), do, WIDEN)
             dst = pt * (_dot(v, tl.trans(do), WIDEN) - delta[None, :])
             dk += _dot(dst.to(q.dtype), q, WIDEN)
-    tl.store(DK + (start + idx)[:, None] * sdk_t + kv_head * sdk_h + d[None, :], (dk * scale).to(DK.dtype.element_ty),
-             mask=idx_ok[:, None] & d_ok[None, :])
-    tl.store(DV + (start + idx)[:, None] * sdk_t + kv_head * sdk_h + d[None, :], dv.to(DV.dtype.element_ty),
-             mask=idx_ok[:, None] & d_ok[None, :])
+    _store_rows(DK, dk * scale, start, idx, idx_ok, sdk_t, sdk_h, kv_head, d, d_ok)
+    _store_rows(DV, dv, start, idx, idx_ok, sdk_t, sdk_h, kv_head, d, d_ok)
     # dQ of query tile `tile`, each head of the group: every key tile it sees
     last = tile + 1 if CAUSAL else tiles
     for g in range(0, G):
@@ -159,8 +166,7 @@ def _backward_kernel(Q, K, V, O, DO, LSE, DQ, DK, DV, CU, sq_t, sq_h, sk_t, sk_h
             p = tl.where(seen, tl.exp2(_dot(q, tl.trans(kb), WIDEN) * scale_log2 - lse[:, None]), 0.0)
             ds = p * (_dot(do, tl.trans(vb), WIDEN) - delta[:, None])
             dq += _dot(ds.to(kb.dtype), kb, WIDEN)
-        tl.store(DQ + (start + idx)[:, None] * sdq_t + head * sdq_h + d[None, :], (dq * scale).to(DQ.dtype.element_ty),
-                 mask=idx_ok[:, None] & d_ok[None, :])
+        _store_rows(DQ, dq * scale, start, idx, idx_ok, sdq_t, sdq_h, head, d, d_ok)
 
 
 LOG2E = 1.4426950408889634
