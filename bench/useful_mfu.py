@@ -243,7 +243,8 @@ def learners(a, role: str) -> tuple:
         for m in models:
             compile_as(m.rm if m is critic else m, a.compile)
     params = [p for m in models for p in m.parameters() if p.requires_grad]
-    opt = (MasterAdamW(params, lr=1e-7, weight_decay=0.01, triton=DEV == "cuda" and a.master_step == "triton") if bf16
+    opt = (MasterAdamW(params, lr=1e-7, weight_decay=0.01, triton=DEV == "cuda" and a.master_step != "torch",
+                       multi_tensor=a.master_step == "triton-mt") if bf16
            else torch.optim.AdamW(params, lr=1e-7, fused=DEV == "cuda"))
     return policy, critic, opt
 
@@ -358,8 +359,8 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=None)
     ap.add_argument("--weights", default="fp32", choices=["fp32", "bf16"], help="fp32: fp32 weights under bf16 autocast (the stage's "
                     "full-parameter learners); bf16: bf16 weights, fp32 masters in the optimizer (MasterAdamW)")
-    ap.add_argument("--master-step", default="triton", choices=["triton", "torch"], help="--weights bf16 on CUDA: MasterAdamW's "
-                    "step as one Triton pass a parameter, or torch ops (the gradients cast up, AdamW's single-tensor ops on the masters, "
+    ap.add_argument("--master-step", default="triton", choices=["triton", "triton-mt", "torch"], help="--weights bf16 on CUDA: MasterAdamW's "
+                    "step as one Triton pass a parameter, as its two multi-tensor launches (multi_tensor=True), or torch ops (the gradients cast up, AdamW's single-tensor ops on the masters, "
                     "the masters copied back; until 2026-12-07's RESULTS, torch's fused AdamW on the masters)")
     ap.add_argument("--lora-actor", type=int, default=0, help="rank of a LoRA actor on a bf16 base (the stage's actor); 0: a full fp32-master policy")
     ap.add_argument("--lora-critic", type=int, default=0, help="rank of a LoRA critic on a frozen bf16 body (ppo.critic_lora_rank); 0: full fp32-master")

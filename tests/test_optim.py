@@ -82,6 +82,126 @@ def test_triton_step_equals_torch_step():
     assert _run(check_triton_step_equals_torch_step) == f"{len(SHAPES)} parameters equal (max diff small)"
 
 
+MT_SHAPES = [(7, 5), (4099,), (3, 64, 33), (2, 256), (1,)]  # to a 256-element block: under it, off it, off it, on it, one element
+MT_SKIPPED = {1: 1, 4: 4}  # step: the parameter without a gradient then (its step count falls behind: a second group)
+
+
+def check_multi_tensor_step_equals_per_parameter_kernel(device: str) -> str:
+    """Six steps of the multi-tensor launches (256-element blocks; a parameter without a gradient
+    at two of them; a state_dict save and load after three) against the per-parameter kernel:
+    steps, masters, moments and bf16 weights equal bit for bit, in two launches a group (whole
+    blocks, partial ones). A gradient that is not contiguous takes the per-parameter path."""
+    import tasks.common.optim as optim
+
+    def params():
+        g = torch.Generator().manual_seed(0)
+        return [torch.nn.Parameter(torch.randn(s, generator=g).to(device, torch.bfloat16)) for s in MT_SHAPES]
+
+    def run(opt, ps, steps):
+        for i in steps:
+            g = torch.Generator().manual_seed(100 + i)
+            for j, p in enumerate(ps):
+                grad = (torch.randn(p.shape, generator=g) * 10 ** (i % 3 - 1)).to(device, torch.bfloat16)
+                p.grad = None if MT_SKIPPED.get(i) == j else grad
+            launches.append(0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    def assert_equal(opt_a, a, opt_b, b):
+        for p, q in zip(a, b):
+            assert torch.equal(p.detach(), q.detach())
+            assert all(torch.equal(opt_a.state[p][k], opt_b.state[q][k]) for k in ("step", "master", "exp_avg", "exp_avg_sq"))
+
+    launches, built = [], optim._kernels
+    per_parameter, multi_tensor, tl_dtype = built()
+
+    class Counted:  # the multi-tensor kernel, its launches counted
+        def __getitem__(self, grid):
+            launches[-1] += 1
+            return multi_tensor[grid]
+
+    block, optim.BLOCK, optim._kernels = optim.BLOCK, 256, lambda: (per_parameter, Counted(), tl_dtype)
+    try:
+        ref_params, first = params(), params()
+        ref = MasterAdamW(ref_params, lr=3e-3, weight_decay=0.1, triton=True)
+        opt = MasterAdamW(first, lr=3e-3, weight_decay=0.1, triton=True, multi_tensor=True)
+        run(ref, ref_params, range(3))
+        launches.clear()
+        run(opt, first, range(3))
+        assert_equal(ref, ref_params, opt, first)
+        second = [torch.nn.Parameter(p.detach().clone()) for p in first]  # the bf16 weights, as a checkpoint has them
+        resumed = MasterAdamW(second, lr=3e-3, weight_decay=0.1, triton=True, multi_tensor=True)
+        resumed.load_state_dict(opt.state_dict())
+        run(ref, ref_params, range(3, 6))
+        del launches[3:]
+        run(resumed, second, range(3, 6))
+        assert_equal(ref, ref_params, resumed, second)
+        # one step count (whole blocks, then partial ones), then two from step 2 on
+        assert launches == [2, 2, 4, 4, 4, 4], launches
+
+        a, b = (torch.nn.Parameter(torch.ones(8, 4, dtype=torch.bfloat16, device=device)) for _ in range(2))
+        opts = MasterAdamW([a], lr=3e-3, triton=True, multi_tensor=True), MasterAdamW([b], lr=3e-3, triton=True)
+        for o, p in zip(opts, (a, b)):
+            p.grad = torch.arange(32.0, device=device).view(4, 8).to(torch.bfloat16).t()  # not contiguous
+            launches.append(0)
+            o.step()
+        assert launches[-2:] == [0, 0]
+        assert_equal(*opts[:1], [a], *opts[1:], [b])
+    finally:
+        optim.BLOCK, optim._kernels = block, built
+    return f"{len(MT_SHAPES)} parameters equal over 6 steps"
+
+
+def test_multi_tensor_step_equals_per_parameter_kernel():
+    assert _run(check_multi_tensor_step_equals_per_parameter_kernel) == f"{len(MT_SHAPES)} parameters equal over 6 steps"
+
+
+def test_chunk_tables_hold_whole_blocks_and_partial_ones_and_are_built_once(monkeypatch):
+    import tasks.common.optim as optim
+
+    monkeypatch.setattr(optim, "BLOCK", 4)
+    opt = MasterAdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    whole, tails = opt._chunks((9, 4, 1, 0), torch.device("cpu"))  # an empty parameter has neither
+    assert whole.dtype == tails.dtype == torch.int64
+    assert whole.tolist() == [[0, 0, 1], [0, 4, 0]]  # rows: parameter, start
+    assert tails.tolist() == [[0, 2], [8, 0], [9, 1]]  # rows: parameter, start, its size
+    assert opt._chunks((9, 4, 1, 0), torch.device("cpu"))[0] is whole
+
+
+def test_multi_tensor_whole_blocks_compile_to_vector_accesses_for_an_h100():
+    """The multi-tensor kernel compiled for sm90 (tests/sm90.py), bf16 weights and gradients: its
+    whole blocks at aligned addresses read and write every weight, gradient and state in 16-byte
+    vectors, as the per-parameter kernel does on sizes Triton specialises as multiples of 16; the
+    partial blocks are scalar. (The first multi-tensor step, masked throughout, was scalar
+    everywhere and 3.2x slower than the per-parameter launches on an H100: bench/RESULTS.md.)"""
+    import triton.language as tl
+
+    import tasks.common.optim as optim
+    from tests.sm90 import compile_sm90, global_accesses
+
+    per_parameter, multi_tensor, _ = optim._kernels()
+    floats = ["lr", "beta1", "one_minus_beta1", "beta2", "one_minus_beta2", "eps", "decay", "bc1", "bc2_sqrt"]
+    sig = {"ptrs": "*i64", "chunks": "*i64", "n_params": "i32", "n_chunks": "i32", **{f: "fp32" for f in floats},
+           **{c: "constexpr" for c in ("P", "G", "TAIL", "ALIGNED", "BLOCK")}}
+    const = {"P": tl.bfloat16, "G": tl.bfloat16, "BLOCK": optim.BLOCK}
+    whole = global_accesses(compile_sm90(multi_tensor, sig, {**const, "TAIL": False, "ALIGNED": True}))
+    tail = global_accesses(compile_sm90(multi_tensor, sig, {**const, "TAIL": True, "ALIGNED": True}))
+    # the 5 pointers and the chunk table's 2 entries are 64-bit loads; everything else a vector
+    assert set(whole) == {"ld.global.b64", "ld.global.v4.b32", "st.global.v4.b32"}, whole
+    assert not any(".v" in op for op in tail), tail
+    sig_pp = {"p_ptr": "*bf16", "g_ptr": "*bf16", "w_ptr": "*fp32", "m_ptr": "*fp32", "v_ptr": "*fp32", "n": "i32",
+              **{f: "fp32" for f in floats}, "BLOCK": "constexpr"}
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    import triton
+
+    divisible = {(i,): [["tt.divisibility", 16]] for i in range(6)}  # as Triton's launcher specialises sizes and addresses
+    pp = triton.compile(ASTSource(fn=per_parameter, signature=sig_pp, constexprs={"BLOCK": optim.BLOCK}, attrs=divisible),
+                        target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    vectors = lambda acc: {k: v for k, v in acc.items() if ".v4." in k}  # noqa: E731
+    assert vectors(whole) == vectors(global_accesses(pp)), (whole, global_accesses(pp))
+
+
 def test_state_dict_round_trip_keeps_fp32_masters_and_resumes_exactly():
     whole = _params()
     opt = MasterAdamW(whole, lr=3e-3, weight_decay=0.1, triton=False)

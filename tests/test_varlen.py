@@ -166,31 +166,13 @@ def test_packed_models_through_the_triton_kernel_equal_padded():
 
 
 def _sm90_resources(fn, constexprs: dict, warps: int, stages: int) -> dict:
-    """``fn`` compiled by Triton for an H100 (sm90) on this machine, no GPU needed (Triton's own
-    ptxas): {'regs', 'spill_bytes'} a thread, from cuobjdump's resource usage of the cubin."""
-    import re
-    import subprocess
-    import tempfile
-    from pathlib import Path
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    """``fn`` of tasks/ppo/varlen_kernel.py compiled for an H100 (tests/sm90.py) on bf16 tensors: its registers and spills."""
+    from tests.sm90 import compile_sm90, resources
 
     types = {"LSE": "*fp32", "CU": "*i32", "scale": "fp32", "scale_log2": "fp32", "G": "i32", "D": "i32"}
-    signature = {}
-    for i, name in enumerate(fn.arg_names):
-        signature[name] = ("constexpr" if i in fn.constexprs else types.get(name)
-                           or ("*bf16" if name.isupper() else "i32"))  # the tensors, then strides
-    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": warps, "num_stages": stages})
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        usage = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True, check=True).stdout
-    regs, stack = (int(re.search(rf"{key}:(\d+)", usage).group(1)) for key in ("REG", "STACK"))
-    return {"regs": regs, "spill_bytes": stack}
+    signature = {name: "constexpr" if i in fn.constexprs else types.get(name) or ("*bf16" if name.isupper() else "i32")
+                 for i, name in enumerate(fn.arg_names)}  # the tensors, then strides
+    return resources(compile_sm90(fn, signature, constexprs, warps, stages))
 
 
 @pytest.mark.parametrize("D", [64, 128])

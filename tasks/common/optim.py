@@ -10,7 +10,9 @@ resumed run continues bit for bit (``load_state_dict`` keeps them fp32: torch's 
 state tensor to the parameter's dtype).
 
 The step: on CUDA one Triton pass a parameter (reads the gradient, master and moments, writes
-them and the bf16 weight: 28 bytes a parameter, as torch's fused AdamW on fp32 weights); elsewhere
+them and the bf16 weight: 28 bytes a parameter, as torch's fused AdamW on fp32 weights), or with
+``multi_tensor`` the same pass over all of them in two launches (less host time to issue; not yet
+measured on a GPU); elsewhere
 torch ops in the order of ``torch.optim.AdamW``'s single-tensor step, so on the CPU the masters
 equal AdamW's on fp32 copies exactly. With ``weight_decay`` 0 (the PPO learners') it is Adam.
 """
@@ -27,33 +29,21 @@ BLOCK = 4096
 
 
 @functools.cache
-def _kernel():
-    """The Triton step (built once, on first use: triton is imported only where it runs)."""
-    import triton
-    import triton.language as tl
+def _kernels():
+    """(per_parameter, multi_tensor, tl_dtype) of tasks/common/optim_kernels.py, imported on first use."""
+    from tasks.common import optim_kernels as k
 
-    @triton.jit
-    def kernel(p_ptr, g_ptr, w_ptr, m_ptr, v_ptr, n, lr, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, decay, bc1, bc2_sqrt,
-               BLOCK: tl.constexpr):
-        # 1 - beta comes in from the host: in fp32 on the GPU, 1 - 0.999 is 1.3e-5 off
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        keep = offs < n
-        g = tl.load(g_ptr + offs, mask=keep).to(tl.float32)
-        w = tl.load(w_ptr + offs, mask=keep) * decay
-        m = beta1 * tl.load(m_ptr + offs, mask=keep) + one_minus_beta1 * g
-        v = beta2 * tl.load(v_ptr + offs, mask=keep) + one_minus_beta2 * g * g
-        w = w - (lr / bc1) * m / (tl.sqrt(v) / bc2_sqrt + eps)
-        tl.store(w_ptr + offs, w, mask=keep)
-        tl.store(m_ptr + offs, m, mask=keep)
-        tl.store(v_ptr + offs, v, mask=keep)
-        tl.store(p_ptr + offs, w.to(p_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=keep)
-
-    return kernel
+    return k.per_parameter, k.multi_tensor, k.tl_dtype
 
 
 @functools.cache
 def _has_triton() -> bool:
     return importlib.util.find_spec("triton") is not None
+
+
+def _contiguous(p: torch.Tensor, s: dict) -> bool:
+    """Whether the weight, gradient and state of ``p`` are contiguous, as the multi-tensor kernel indexes them."""
+    return p.is_contiguous() and p.grad.is_contiguous() and all(s[k].is_contiguous() for k in STATE_KEYS)
 
 
 def params_to_bf16(model: torch.nn.Module) -> None:
@@ -68,12 +58,15 @@ def params_to_bf16(model: torch.nn.Module) -> None:
 class MasterAdamW(torch.optim.Optimizer):
     """AdamW (decoupled weight decay) on fp32 masters of the parameters (module docstring).
     ``triton``: the fused step (True also on CPU tensors, in Triton's interpreter); None = where
-    the parameters are on CUDA and triton is installed."""
+    the parameters are on CUDA and triton is installed. ``multi_tensor`` (with the fused step; not
+    yet measured on a GPU, so off): two launches for all the parameters of one step count and
+    dtypes instead of one a parameter (``_multi_tensor_step``)."""
 
     def __init__(self, params, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, triton: bool | None = None):
+                 weight_decay: float = 0.0, triton: bool | None = None, multi_tensor: bool = False):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        self.triton = triton
+        self.triton, self.multi_tensor = triton, multi_tensor
+        self._chunk_tables: dict = {}
 
     def _state(self, p: torch.Tensor) -> dict:
         state = self.state[p]
@@ -87,18 +80,23 @@ class MasterAdamW(torch.optim.Optimizer):
         loss = closure() if closure is not None else None
         for group in self.param_groups:
             lr, (b1, b2), eps, wd = float(group["lr"]), group["betas"], group["eps"], group["weight_decay"]
+            together = []
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 s = self._state(p)
+                fused = self.triton if self.triton is not None else p.is_cuda and _has_triton()
+                if fused and self.multi_tensor and _contiguous(p, s):
+                    together.append((p, s))
+                    continue
                 s["step"] += 1
                 step = float(s["step"])
                 bc1, bc2_sqrt = 1 - b1 ** step, (1 - b2 ** step) ** 0.5
                 w, m, v = s["master"], s["exp_avg"], s["exp_avg_sq"]
-                if self.triton if self.triton is not None else p.is_cuda and _has_triton():
+                if fused:
                     n = w.numel()
-                    _kernel()[(-(-n // BLOCK),)](p, p.grad, w, m, v, n, lr, b1, 1 - b1, b2, 1 - b2, eps, 1 - lr * wd, bc1, bc2_sqrt,
-                                                 BLOCK=BLOCK)
+                    _kernels()[0][(-(-n // BLOCK),)](p, p.grad, w, m, v, n, lr, b1, 1 - b1, b2, 1 - b2, eps, 1 - lr * wd, bc1, bc2_sqrt,
+                                                     BLOCK=BLOCK)
                     continue
                 g = p.grad.float()  # torch.optim.AdamW's single-tensor step, op for op
                 w.mul_(1 - lr * wd)
@@ -106,7 +104,55 @@ class MasterAdamW(torch.optim.Optimizer):
                 v.mul_(b2).addcmul_(g, g, value=1 - b2)
                 w.addcdiv_(m, (v.sqrt() / bc2_sqrt).add_(eps), value=-lr / bc1)
                 p.copy_(w)  # round to nearest even
+            if together:
+                self._multi_tensor_step(together, lr, b1, b2, eps, wd)
         return loss
+
+    def _multi_tensor_step(self, members: list, lr: float, b1: float, b2: float, eps: float, wd: float) -> None:
+        """The fused step of ``members`` ((parameter, state) pairs) in two launches for each step
+        count, weight and gradient dtype and device (one of each, unless some parameter missed a
+        step): every whole ``BLOCK`` of every parameter unmasked, 16-byte vector accesses where
+        every address is 16-byte aligned, then each parameter's partial last block, masked. One
+        launch with masks throughout would be all scalar accesses: Triton cannot prove a mask
+        constant over a vector when the size comes from memory (bench/RESULTS.md, 2026-12-07,
+        fourteenth session: the PTX of both forms). Each program finds its parameter in a chunk
+        table (cached, from the sizes) and its addresses in a pointer table built each step (the
+        gradients come and go), copied from pinned memory without a wait."""
+        _, kernel, tl_dtype = _kernels()
+        steps = [s["step"] for _, s in members]
+        torch._foreach_add_(steps, 1)  # the CPU step tensors, as += 1 on each
+        launches: dict = {}
+        for (p, s), step in zip(members, torch.stack(steps).tolist()):
+            launches.setdefault((step, p.dtype, p.grad.dtype, p.device), []).append((p, s))
+        for (step, p_dtype, g_dtype, device), group in launches.items():
+            ptrs = [p.data_ptr() for p, _ in group] + [p.grad.data_ptr() for p, _ in group]
+            ptrs += [s[k].data_ptr() for k in STATE_KEYS for _, s in group]
+            # the tensors behind the addresses live on in p.grad and the state (a gradient freed after the step is reused
+            # only in stream order, after the kernels)
+            table = torch.tensor(ptrs, dtype=torch.int64, pin_memory=device.type == "cuda").to(device, non_blocking=True)
+            args = (lr, b1, 1 - b1, b2, 1 - b2, eps, 1 - lr * wd, 1 - b1 ** step, (1 - b2 ** step) ** 0.5)
+            whole, tails = self._chunks(tuple(p.numel() for p, _ in group), device)
+            for chunks, tail in ((whole, False), (tails, True)):
+                if chunks.shape[1]:
+                    kernel[(chunks.shape[1],)](table, chunks, len(group), chunks.shape[1], *args, P=tl_dtype(p_dtype), G=tl_dtype(g_dtype),
+                                               TAIL=tail, ALIGNED=not any(a % 16 for a in ptrs), BLOCK=BLOCK)
+
+    def _chunks(self, numels: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The chunk tables of parameters of these sizes, int64 on ``device``: every whole block
+        (2, blocks: its parameter, its start) and every partial last block (3, tails: its
+        parameter, its start, the parameter's size); cached (a few sets of sizes at most)."""
+        key = (numels, device, BLOCK)
+        if key not in self._chunk_tables:
+            if len(self._chunk_tables) >= 8:
+                self._chunk_tables.clear()
+            n = torch.tensor(numels, dtype=torch.int64)
+            count = n // BLOCK
+            param = torch.repeat_interleave(torch.arange(len(numels)), count)
+            start = (torch.arange(len(param)) - (count.cumsum(0) - count)[param]) * BLOCK
+            partial = (n % BLOCK).nonzero().squeeze(1)
+            tails = torch.stack([partial, count[partial] * BLOCK, n[partial]])
+            self._chunk_tables[key] = torch.stack([param, start]).to(device), tails.to(device)
+        return self._chunk_tables[key]
 
     def masters(self):
         """(parameter, its fp32 master) of every parameter stepped so far (the rest equal their weights)."""
