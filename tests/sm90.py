@@ -10,14 +10,17 @@ import tempfile
 from pathlib import Path
 
 
-def compile_sm90(fn, signature: dict, constexprs: dict, warps: int = 4, stages: int = 2):
+def compile_sm90(fn, signature: dict, constexprs: dict, warps: int = 4, stages: int = 2, divisible: tuple[int, ...] = ()):
     """``fn`` (a ``triton.jit`` function) compiled for sm90: ``signature`` maps every argument to
-    its Triton type ('*bf16', 'i32', 'fp32', 'constexpr', ...), ``constexprs`` gives the constants."""
+    its Triton type ('*bf16', 'i32', 'fp32', 'constexpr', ...), ``constexprs`` gives the constants;
+    the arguments at ``divisible`` taken as multiples of 16, as Triton's launcher specialises
+    addresses and sizes that are."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
+    attrs = {(i,): [["tt.divisibility", 16]] for i in divisible}
+    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": warps, "num_stages": stages})
 
 

@@ -191,13 +191,7 @@ def test_multi_tensor_whole_blocks_compile_to_vector_accesses_for_an_h100():
     assert not any(".v" in op for op in tail), tail
     sig_pp = {"p_ptr": "*bf16", "g_ptr": "*bf16", "w_ptr": "*fp32", "m_ptr": "*fp32", "v_ptr": "*fp32", "n": "i32",
               **{f: "fp32" for f in floats}, "BLOCK": "constexpr"}
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    import triton
-
-    divisible = {(i,): [["tt.divisibility", 16]] for i in range(6)}  # as Triton's launcher specialises sizes and addresses
-    pp = triton.compile(ASTSource(fn=per_parameter, signature=sig_pp, constexprs={"BLOCK": optim.BLOCK}, attrs=divisible),
-                        target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    pp = compile_sm90(per_parameter, sig_pp, {"BLOCK": optim.BLOCK}, divisible=tuple(range(6)))  # aligned addresses, a size of 16s
     vectors = lambda acc: {k: v for k, v in acc.items() if ".v4." in k}  # noqa: E731
     assert vectors(whole) == vectors(global_accesses(pp)), (whole, global_accesses(pp))
 
