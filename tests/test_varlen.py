@@ -128,28 +128,30 @@ def check_packed_models_through_the_triton_kernel(device: str) -> str:
     from tasks.ppo.generation import forward_actions
     from tests.test_packing import ragged, tiny
 
-    varlen.KERNEL = "triton"
     calls, op = [], kernel.varlen_attention
-    kernel.varlen_attention = lambda *a: calls.append(1) or op(*a)  # noqa: E731  (counts the packed layers that took it)
-    q = torch.zeros(1, 2, 4, 8, device=device)
-    assert varlen._triton_dtype(q, None, None, 0.0) == torch.float32
-    assert [varlen._triton_dtype(q, *x) for x in ((30.0, None, 0.0), (None, 3, 0.0), (None, None, 0.1))] == [None] * 3
-    for arch in ("llama", "qwen2", "gpt2"):
-        model = tiny(arch).to(device)
-        ro = ragged(B=9, P=12, N=8, V=64, seed=3)
-        seqs, mask, act = ro.sequences.to(device), ro.attention_mask.to(device), ro.action_mask.bool().to(device)
-        out = {}
-        for pack_tokens in (0, 32):
-            model.zero_grad()
-            logp, ent = forward_actions(model, seqs, mask, 8, 0.7, pack_tokens)
-            (logp * act).sum().backward()
-            out[pack_tokens] = logp.detach(), ent.detach(), [p.grad.clone() for p in model.parameters()]
-        (lp0, e0, g0), (lp, e, g) = out[0], out[32]
-        torch.testing.assert_close(lp[act], lp0[act], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(e[act], e0[act], rtol=1e-5, atol=1e-5)
-        for a, b in zip(g, g0):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
-    assert len(calls) == 3 * 2, calls  # each model's 2 layers, in its packed forward
+    varlen.KERNEL, kernel.varlen_attention = "triton", lambda *a: calls.append(1) or op(*a)  # counts the layers that took it
+    try:
+        q = torch.zeros(1, 2, 4, 8, device=device)
+        assert varlen._triton_dtype(q, None, None, 0.0) == torch.float32
+        assert [varlen._triton_dtype(q, *x) for x in ((30.0, None, 0.0), (None, 3, 0.0), (None, None, 0.1))] == [None] * 3
+        for arch in ("llama", "qwen2", "gpt2"):
+            model = tiny(arch).to(device)
+            ro = ragged(B=9, P=12, N=8, V=64, seed=3)
+            seqs, mask, act = ro.sequences.to(device), ro.attention_mask.to(device), ro.action_mask.bool().to(device)
+            out = {}
+            for pack_tokens in (0, 32):
+                model.zero_grad()
+                logp, ent = forward_actions(model, seqs, mask, 8, 0.7, pack_tokens)
+                (logp * act).sum().backward()
+                out[pack_tokens] = logp.detach(), ent.detach(), [p.grad.clone() for p in model.parameters()]
+            (lp0, e0, g0), (lp, e, g) = out[0], out[32]
+            torch.testing.assert_close(lp[act], lp0[act], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(e[act], e0[act], rtol=1e-5, atol=1e-5)
+            for a, b in zip(g, g0):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        assert len(calls) == 3 * 2, calls  # each model's 2 layers, in its packed forward
+    finally:  # natively on CUDA the check runs in the test process: leave nothing switched
+        varlen.KERNEL, kernel.varlen_attention = "flash", op
     return "3 models equal"
 
 
