@@ -9,11 +9,11 @@ One call of ``tasks/ppo/varlen.packed_attention`` as a learner's layer makes it 
 heads and head dimension), with ``varlen.KERNEL`` 'flash' and 'triton': milliseconds of the
 forward and of forward + backward (median of ``--reps`` after 3 warm-ups), the causal FLOPs' rate,
 and each kernel's largest error against an fp32 attention of each sequence alone (output and the
-three gradients), side by side with the ratio (the Triton kernel once per ``--settings`` entry, its launch settings:
-BLOCK_M, BLOCK_N, FWD_WARPS, BLOCK_BWD, BWD_WARPS, NUM_STAGES of tasks/ppo/varlen_kernel.py, 0 for
-its choice by head dim; the ratio is
-flash's time over the fastest entry's). The 0.4B learn epoch of bench/RESULTS.md (twelfth
-session) makes 48 such calls of ~9,300 tokens, and took 14.4 ms in them with flash.
+three gradients), side by side with the ratio: flash's time over the fastest Triton entry's.
+The Triton kernel runs once per ``--settings`` entry (its launch settings: BLOCK_M, BLOCK_N,
+FWD_WARPS, BLOCK_BWD, BWD_WARPS, NUM_STAGES of tasks/ppo/varlen_kernel.py, 0 for its choice by
+head dim). The 0.4B learn epoch of bench/RESULTS.md (twelfth session) makes 48 such calls of
+~9,300 tokens, and took 14.4 ms in them with flash.
 """
 
 from __future__ import annotations
