@@ -42,7 +42,8 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # one tile (a program's key tile and query tile are the same rows of its sequence). Chosen so that
 # no program spills registers on an H100 (sm90, bf16; ptxas's counts, tests/test_varlen.py): the
 # backward holds four fp32 tiles of the head dim (dK, dV and two of scores), so at 64-row tiles it
-# spilled 760 B a thread at 4 warps and head dim 64, and at any warp count at 128.
+# spilled at 4 warps and head dim 64 (8 B a thread aligned as a call usually is, 760 not), and at
+# 8 warps and 128 (152 / 1,024 B).
 BLOCK_M, BLOCK_N, FWD_WARPS, BLOCK_BWD, BWD_WARPS, NUM_STAGES = 64, 64, 0, 0, 8, 2
 
 
