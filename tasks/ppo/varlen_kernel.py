@@ -43,7 +43,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # no program spills registers on an H100 (sm90, bf16; ptxas's counts, tests/test_varlen.py): the
 # backward holds four fp32 tiles of the head dim (dK, dV and two of scores), so at 64-row tiles it
 # spilled at 4 warps and head dim 64 (8 B a thread aligned as a call usually is, 760 not), and at
-# 8 warps and 128 (152 / 1,024 B).
+# 8 warps and 128 (144 / 1,016 B).
 BLOCK_M, BLOCK_N, FWD_WARPS, BLOCK_BWD, BWD_WARPS, NUM_STAGES = 64, 64, 0, 0, 8, 2
 
 
@@ -74,9 +74,13 @@ def _store_rows(X, value, start, rows, ok, s_t, s_h, head, d, d_ok):
 
 
 @triton.jit
-def _forward_kernel(Q, K, V, O, LSE, CU, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h, sl_h, G, D, scale_log2,
+def _forward_kernel(Q, K, V, O, LSE, CU, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h, sl_h, G, D, scale_log2: tl.constexpr,
                     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                     WIDEN: tl.constexpr):
+    """One query tile of one sequence and head: the output rows and their log-sum-exp (log2).
+    The scales are compile-time constants: a float argument under torch.compile comes typed fp64
+    (as tasks/ppo/decode_attention.py found), which makes the fp32 softmax state fp64 in the loop
+    and fails the compile ("Loop-carried variable m has initial type fp32", checked for sm90)."""
     tile, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start, length = _span(CU, seq)
     if tile * BLOCK_M >= length:
@@ -111,8 +115,10 @@ def _forward_kernel(Q, K, V, O, LSE, CU, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_
 
 @triton.jit
 def _backward_kernel(Q, K, V, O, DO, LSE, DQ, DK, DV, CU, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h, sl_h,
-                     sdq_t, sdq_h, sdk_t, sdk_h, G, D, scale, scale_log2, CAUSAL: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
-                     WIDEN: tl.constexpr):
+                     sdq_t, sdq_h, sdk_t, sdk_h, G, D, scale: tl.constexpr, scale_log2: tl.constexpr, CAUSAL: tl.constexpr,
+                     BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, WIDEN: tl.constexpr):
+    """Tile ``tile`` of one sequence for one KV head and its query heads: dK / dV of that key tile,
+    then dQ of that query tile (the scales compile-time constants, as the forward's)."""
     tile, seq, kv_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start, length = _span(CU, seq)
     if tile * BLOCK >= length:
@@ -207,7 +213,7 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_len: int, 
     grid = (triton.cdiv(max_len, block_m), cu.shape[0] - 1, H)
     torch.library.wrap_triton(_forward_kernel)[grid](
         q, k, v, out, lse, cu, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        out.stride(0), out.stride(1), lse.stride(0), H // k.shape[1], D, scale * LOG2E,
+        out.stride(0), out.stride(1), lse.stride(0), H // k.shape[1], D, scale_log2=scale * LOG2E,
         CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_block_d(D), WIDEN=INTERPRETED,
         num_warps=warps, num_stages=stages)
     return out, lse
@@ -227,7 +233,7 @@ def varlen_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out
     torch.library.wrap_triton(_backward_kernel)[grid](
         q, k, v, out, dout, lse, dq, dk, dv, cu, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
         v.stride(1), out.stride(0), out.stride(1), lse.stride(0), dq.stride(0), dq.stride(1), dk.stride(0), dk.stride(1),
-        H // k.shape[1], D, scale, scale * LOG2E,
+        H // k.shape[1], D, scale=scale, scale_log2=scale * LOG2E,
         CAUSAL=causal, BLOCK=block, BLOCK_D=_block_d(D), WIDEN=INTERPRETED, num_warps=warps, num_stages=stages)
     return dq, dk, dv
 
