@@ -13,6 +13,7 @@ The step: on CUDA one Triton pass a parameter (reads the gradient, master and mo
 them and the bf16 weight: 28 bytes a parameter, as torch's fused AdamW on fp32 weights), or with
 ``multi_tensor`` the same pass over all of them in two launches (less host time to issue; not yet
 measured on a GPU); elsewhere
+(and for a parameter whose weight, gradient or state is not contiguous: the kernels index flat)
 torch ops in the order of ``torch.optim.AdamW``'s single-tensor step, so on the CPU the masters
 equal AdamW's on fp32 copies exactly. With ``weight_decay`` 0 (the PPO learners') it is Adam.
 """
@@ -42,7 +43,7 @@ def _has_triton() -> bool:
 
 
 def _contiguous(p: torch.Tensor, s: dict) -> bool:
-    """Whether the weight, gradient and state of ``p`` are contiguous, as the multi-tensor kernel indexes them."""
+    """Whether the weight, gradient and state of ``p`` are contiguous, as the Triton kernels index them."""
     return p.is_contiguous() and p.grad.is_contiguous() and all(s[k].is_contiguous() for k in STATE_KEYS)
 
 
@@ -85,8 +86,9 @@ class MasterAdamW(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 s = self._state(p)
-                fused = self.triton if self.triton is not None else p.is_cuda and _has_triton()
-                if fused and self.multi_tensor and _contiguous(p, s):
+                # the kernels index flat: a weight, gradient or state that is not contiguous takes the torch ops
+                fused = (self.triton if self.triton is not None else p.is_cuda and _has_triton()) and _contiguous(p, s)
+                if fused and self.multi_tensor:
                     together.append((p, s))
                     continue
                 s["step"] += 1
