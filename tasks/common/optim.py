@@ -133,11 +133,11 @@ class MasterAdamW(torch.optim.Optimizer):
             # only in stream order, after the kernels)
             table = torch.tensor(ptrs, dtype=torch.int64, pin_memory=device.type == "cuda").to(device, non_blocking=True)
             args = (lr, b1, 1 - b1, b2, 1 - b2, eps, 1 - lr * wd, 1 - b1 ** step, (1 - b2 ** step) ** 0.5)
+            consts = dict(P=tl_dtype(p_dtype), G=tl_dtype(g_dtype), ALIGNED=not any(a % 16 for a in ptrs), BLOCK=BLOCK)
             whole, tails = self._chunks(tuple(p.numel() for p, _ in group), device)
             for chunks, tail in ((whole, False), (tails, True)):
                 if chunks.shape[1]:
-                    kernel[(chunks.shape[1],)](table, chunks, len(group), chunks.shape[1], *args, P=tl_dtype(p_dtype), G=tl_dtype(g_dtype),
-                                               TAIL=tail, ALIGNED=not any(a % 16 for a in ptrs), BLOCK=BLOCK)
+                    kernel[(chunks.shape[1],)](table, chunks, len(group), chunks.shape[1], *args, TAIL=tail, **consts)
 
     def _chunks(self, numels: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The chunk tables of parameters of these sizes, int64 on ``device``: every whole block

@@ -35,6 +35,7 @@ from torch import Tensor
 NAME = "rlhf_packed"  # the attention implementation this module registers with transformers
 KERNEL = "flash"  # the GPU's kernel: 'flash' (aten's) or 'triton' (tasks/ppo/varlen_kernel.py), read at call time
 HALF = (torch.float16, torch.bfloat16)
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's interpreter (the CPU tests of the 'triton' kernel)
 FLASH_GPU: list[bool] = []  # [whether this process's GPU runs the flash kernel (sm80+)], set by ``attend_packed``
 # outside any compiled region: the attention function reads it as a constant
 
@@ -62,7 +63,7 @@ def _triton_dtype(query: Tensor, softcap: float | None, window: int | None, drop
     """The dtype tasks/ppo/varlen_kernel.py runs this attention in, or None where it does not."""
     if KERNEL != "triton" or softcap is not None or window or dropout or query.shape[-1] > 256:
         return None
-    if not (query.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+    if not (query.is_cuda or INTERPRETED):
         return None
     return _run_dtype(query)
 
@@ -85,13 +86,14 @@ def packed_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value:
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     scaling = D ** -0.5 if scaling is None else scaling
     window = sliding_window if sliding_window and sliding_window < max_length_q else None
+    # the bins' tokens flat, (R * C, heads, D), as the varlen kernels take them
+    flat = lambda dtype: (t.transpose(1, 2).reshape(R * C, t.shape[1], D).to(dtype) for t in (query, key, value))  # noqa: E731
     if (dtype := _triton_dtype(query, softcap, window, dropout)) is not None:
         from tasks.ppo.varlen_kernel import varlen_attention
 
-        q, k, v = (t.transpose(1, 2).reshape(R * C, t.shape[1], D).to(dtype) for t in (query, key, value))
-        return varlen_attention(q, k, v, cu_seq_lens_q, max_length_q, scaling, causal)[0].view(R, C, H, D), None
+        return varlen_attention(*flat(dtype), cu_seq_lens_q, max_length_q, scaling, causal)[0].view(R, C, H, D), None
     if (half := _flash_dtype(query, softcap)) is not None:
-        q, k, v = (t.transpose(1, 2).reshape(R * C, t.shape[1], D).to(half) for t in (query, key, value))
+        q, k, v = flat(half)
         side = {"window_size_left": window - 1, "window_size_right": 0} if window else {}
         out = torch.ops.aten._flash_attention_forward(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q,
                                                       dropout, causal, False, scale=scaling, **side)[0]
