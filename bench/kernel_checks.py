@@ -3,6 +3,7 @@
     python3 bench/kernel_checks.py master-adamw     # CUDA: MasterAdamW's Triton step against torch's AdamW
     python3 bench/kernel_checks.py linear-accuracy  # CUDA: the split-K linear at the 8B layer's shapes, M = 64
     TRITON_INTERPRET=1 python3 bench/kernel_checks.py head-layout   # CPU: FastGenerator at the 8B head layout
+    python3 bench/kernel_checks.py registers        # no GPU needed: the Triton kernels compiled for an H100
     python3 bench/kernel_checks.py decode-logits 8b  # CUDA: each path's greedy tokens against the fp32 model
 
 master-adamw: tasks/common/optim.py's ``MasterAdamW`` (the Triton step) and torch's AdamW on fp32
@@ -19,6 +20,15 @@ head-layout: a 2-layer Llama with the 8B layer's head layout (head_dim 128, 4 qu
 head, d 512, weights of std 0.08, fp32, eager) decodes 12 greedy tokens of tests/test_fast_generate.py's
 4 left-padded rows with every pairing of attention (sdpa / triton) and linears (cublas / triton);
 the share of tokens equal to sdpa + cublas's.
+
+registers: the Triton kernels compiled for an H100 (sm90) by Triton's own ptxas (tests/sm90.py),
+what the compiler makes of them without running them: tasks/ppo/varlen_kernel.py's forward and
+backward at head dims 64 and 128, at its chosen settings and others, each specialised as a usual
+call is (aligned addresses and strides) and not: registers and spilled bytes a thread;
+tasks/common/optim_kernels.py's multi-tensor kernel (whole and partial blocks, aligned or not)
+and per-parameter kernel: the forms of their global loads and stores in the PTX; the decode
+kernels (split-K attention, with RoPE, and the split-K linear at the 0.4B shapes): registers and
+spills.
 
 decode-logits SHAPE: ``decode_logits``'s docstring (settles whether the split-K path's greedy
 tokens part from cuBLAS's on near-ties, RESULTS' ninth session). On CPU (in Triton's interpreter)
@@ -151,9 +161,62 @@ def decode_logits(shape: str) -> None:
               f"max {miss.max().item() if miss.numel() else 0:.4f} (the logits' std: median {spread.median().item():.3f})", flush=True)
 
 
+def registers() -> None:
+    import triton.language as tl
+
+    import tasks.common.optim as optim
+    import tasks.ppo.decode_attention as da
+    import tasks.ppo.decode_linear as dl
+    import tasks.ppo.varlen_kernel as vk
+    from tests.sm90 import compile_sm90, global_accesses, launch_divisible, resources, signature
+    from tests.test_varlen import varlen_resources
+
+    for D in (64, 128):
+        block_m, block_n, fwd_warps, block, bwd_warps, stages = vk.settings(D)
+        scales = {"scale": D ** -0.5, "scale_log2": D ** -0.5 * vk.LOG2E}
+        common = {"CAUSAL": True, "BLOCK_D": D, "WIDEN": False}
+        for aligned in (True, False):
+            fwd = varlen_resources(vk._forward_kernel, {**common, "BLOCK_M": block_m, "BLOCK_N": block_n, "scale_log2": scales["scale_log2"]},
+                                   fwd_warps, stages, aligned)
+            print(f"varlen forward, head dim {D}, {'aligned' if aligned else 'unaligned'}, {block_m}x{block_n} tiles, {fwd_warps} warps: {fwd}")
+            for rows, warps in sorted({(block, bwd_warps), (64, 4), (64, 8), (32, 4), (32, 8)}):
+                bwd = varlen_resources(vk._backward_kernel, {**common, **scales, "BLOCK": rows}, warps, stages, aligned)
+                chosen = " (chosen)" if (rows, warps) == (block, bwd_warps) else ""
+                print(f"varlen backward, head dim {D}, {'aligned' if aligned else 'unaligned'}, {rows}-row tiles, {warps} warps{chosen}: {bwd}")
+    per_parameter, multi_tensor, _ = optim._kernels()
+    sig = signature(multi_tensor, {"ptrs": "*i64", "chunks": "*i64", **{f: "fp32" for f in multi_tensor.arg_names[4:13]}})
+    for tail in (False, True):
+        for aligned in (True, False):
+            k = compile_sm90(multi_tensor, sig, {"P": tl.bfloat16, "G": tl.bfloat16, "TAIL": tail, "ALIGNED": aligned, "BLOCK": optim.BLOCK})
+            print(f"MasterAdamW multi-tensor, {'partial' if tail else 'whole'} blocks, ALIGNED {aligned}: {global_accesses(k)}")
+    sig = signature(per_parameter, {"p_ptr": "*bf16", "g_ptr": "*bf16", "w_ptr": "*fp32", "m_ptr": "*fp32", "v_ptr": "*fp32",
+                                    **{f: "fp32" for f in per_parameter.arg_names[6:15]}})
+    k = compile_sm90(per_parameter, sig, {"BLOCK": optim.BLOCK}, divisible=launch_divisible(per_parameter, sig))
+    print(f"MasterAdamW per-parameter, aligned addresses, a size of whole 16s: {global_accesses(k)}")
+    hd = 64  # the 0.4B shape's
+    att = {"scale": hd ** -0.5, "masked": -3.0e38, "HD": hd, "G_PAD": da.MIN_ROWS, "HD_PAD": hd, "BLOCK": da.tile_columns(hd, 2),
+           "ONE_SPLIT": True, "DOT_IN_F32": False}
+    f32 = {**{n: "*fp32" for n in ("Mx", "Sm", "Acc", "QKV", "Cos", "Sin")}, "G": "i32", "L": "i32"}  # G, L: sizes
+    sig = signature(da._partial_kernel, {"Bias": "*bf16", "Out": "*bf16", **f32})
+    k = compile_sm90(da._partial_kernel, sig, att, da.NUM_WARPS, da.NUM_STAGES, launch_divisible(da._partial_kernel, sig))
+    print(f"decode attention (split-K), head dim {hd}: {resources(k)}")
+    sig = signature(da._partial_rope_kernel, {"Bias": "*bf16", "Out": "*bf16", "Col": "*i64", **f32})
+    for parts in (1, 4):
+        k = compile_sm90(da._partial_rope_kernel, sig, {**att, "PARTS": parts, "PDL": True, "PREFETCH": da.PREFETCH_TILES},
+                         da.NUM_WARPS, da.NUM_STAGES, launch_divisible(da._partial_rope_kernel, sig))
+        print(f"decode attention with RoPE, {parts} part(s), PDL: {resources(k)}")
+    sig = signature(dl._partials_kernel, {"P": "*fp32", "M": "i32", "N": "i32", "K": "i32"})
+    for n, kk in ((3072, 1024), (1024, 1024), (5632, 1024), (1024, 2816)):
+        block_n, _, block_k, stages = dl.settings(n, kk, da.SMS_IF_NOT_CUDA)
+        for pdl in (False, True):
+            k = compile_sm90(dl._partials_kernel, sig, {"BLOCK_M": 64, "BLOCK_N": block_n, "BLOCK_K": block_k, "DOT_IN_F32": False, "PDL": pdl},
+                             dl.NUM_WARPS, stages, launch_divisible(dl._partials_kernel, sig))
+            print(f"decode linear (split-K), {n} x {kk} weight, 64 rows, PDL {pdl}: {resources(k)}")
+
+
 if __name__ == "__main__":
     checks = {"master-adamw": master_adamw, "linear-accuracy": linear_accuracy, "head-layout": head_layout,
-              "decode-logits": decode_logits}
+              "decode-logits": decode_logits, "registers": registers}
     if len(sys.argv) not in (2, 3) or sys.argv[1] not in checks:
         raise SystemExit(f"usage: {sys.argv[0]} {{{','.join(checks)}}} [shape, decode-logits only]")
     checks[sys.argv[1]](*sys.argv[2:])

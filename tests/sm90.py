@@ -10,6 +10,22 @@ import tempfile
 from pathlib import Path
 
 
+def signature(fn, types: dict | None = None) -> dict:
+    """``fn``'s arguments as ``compile_sm90`` wants them: 'constexpr' for its constants, ``types``
+    where given, else an upper-case name a bf16 tensor and the rest i32 (strides, sizes)."""
+    types = types or {}
+    return {name: "constexpr" if i in fn.constexprs else types.get(name) or ("*bf16" if name.isupper() else "i32")
+            for i, name in enumerate(fn.arg_names)}
+
+
+def launch_divisible(fn, sig: dict, exclude: tuple[str, ...] = ()) -> tuple[int, ...]:
+    """The places of ``fn``'s pointer and integer arguments (but ``exclude``) that Triton's
+    launcher specialises as multiples of 16 on a usual call: aligned addresses, strides and sizes
+    of whole 16s."""
+    return tuple(i for i, name in enumerate(fn.arg_names) if sig[name] != "constexpr" and not sig[name].startswith("fp")
+                 and name not in exclude)
+
+
 def compile_sm90(fn, signature: dict, constexprs: dict, warps: int = 4, stages: int = 2, divisible: tuple[int, ...] = ()):
     """``fn`` (a ``triton.jit`` function) compiled for sm90: ``signature`` maps every argument to
     its Triton type ('*bf16', 'i32', 'fp32', 'constexpr', ...), ``constexprs`` gives the constants;

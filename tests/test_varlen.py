@@ -167,19 +167,19 @@ def test_packed_models_through_the_triton_kernel_equal_padded():
     assert _run(check_packed_models_through_the_triton_kernel) == "3 models equal"
 
 
-def _sm90_resources(fn, constexprs: dict, warps: int, stages: int, aligned: bool) -> dict:
+VARLEN_TYPES = {"LSE": "*fp32", "CU": "*i32", "G": "i32", "D": "i32"}  # the kernels' arguments that are not bf16 tensors or i32
+
+
+def varlen_resources(fn, constexprs: dict, warps: int, stages: int, aligned: bool) -> dict:
     """``fn`` of tasks/ppo/varlen_kernel.py compiled for an H100 (tests/sm90.py) on bf16 tensors:
     its registers and spills. ``aligned``: as Triton's launcher specialises the usual call (the
     tensors' addresses, their strides and D multiples of 16; not the log-sum-exp's stride, a token
     count); else with none of that known (the code any call may fall back to)."""
-    from tests.sm90 import compile_sm90, resources
+    from tests.sm90 import compile_sm90, launch_divisible, resources, signature
 
-    types = {"LSE": "*fp32", "CU": "*i32", "G": "i32", "D": "i32"}
-    signature = {name: "constexpr" if i in fn.constexprs else types.get(name) or ("*bf16" if name.isupper() else "i32")
-                 for i, name in enumerate(fn.arg_names)}  # the tensors, then strides
-    divisible = tuple(i for i, name in enumerate(fn.arg_names)
-                      if aligned and i not in fn.constexprs and name not in ("G", "sl_h"))
-    return resources(compile_sm90(fn, signature, constexprs, warps, stages, divisible))
+    sig = signature(fn, VARLEN_TYPES)
+    divisible = launch_divisible(fn, sig, exclude=("G", "sl_h")) if aligned else ()
+    return resources(compile_sm90(fn, sig, constexprs, warps, stages, divisible))
 
 
 @pytest.mark.parametrize("D", [64, 128])
@@ -198,8 +198,8 @@ def test_triton_kernels_spill_no_registers_on_an_h100(D):
         assert {fn.arg_names.index(n) for n in names} <= set(fn.constexprs), fn.arg_names
     common = {"CAUSAL": True, "BLOCK_D": D, "WIDEN": False}
     for aligned in (True, False):
-        fwd = _sm90_resources(vk._forward_kernel, {**common, "BLOCK_M": block_m, "BLOCK_N": block_n, "scale_log2": floats["scale_log2"]},
+        fwd = varlen_resources(vk._forward_kernel, {**common, "BLOCK_M": block_m, "BLOCK_N": block_n, "scale_log2": floats["scale_log2"]},
                               fwd_warps, stages, aligned)
-        bwd = _sm90_resources(vk._backward_kernel, {**common, **floats, "BLOCK": block}, bwd_warps, stages, aligned)
+        bwd = varlen_resources(vk._backward_kernel, {**common, **floats, "BLOCK": block}, bwd_warps, stages, aligned)
         assert fwd["spill_bytes"] == 0 and bwd["spill_bytes"] == 0, (vk.settings(D), aligned, fwd, bwd)
         assert 0 < fwd["regs"] <= 255 and 0 < bwd["regs"] <= 255
