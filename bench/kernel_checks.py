@@ -169,6 +169,7 @@ def registers() -> None:
     import tasks.ppo.decode_linear as dl
     import tasks.ppo.varlen_kernel as vk
     from tests.sm90 import compile_sm90, global_accesses, launch_divisible, resources, signature
+    from tests.test_optim import adamw_signatures
     from tests.test_varlen import varlen_resources
 
     for D in (64, 128):
@@ -184,14 +185,12 @@ def registers() -> None:
                 chosen = " (chosen)" if (rows, warps) == (block, bwd_warps) else ""
                 print(f"varlen backward, head dim {D}, {'aligned' if aligned else 'unaligned'}, {rows}-row tiles, {warps} warps{chosen}: {bwd}")
     per_parameter, multi_tensor, _ = optim._kernels()
-    sig = signature(multi_tensor, {"ptrs": "*i64", "chunks": "*i64", **{f: "fp32" for f in multi_tensor.arg_names[4:13]}})
+    sig, sig_pp = adamw_signatures()
     for tail in (False, True):
         for aligned in (True, False):
             k = compile_sm90(multi_tensor, sig, {"P": tl.bfloat16, "G": tl.bfloat16, "TAIL": tail, "ALIGNED": aligned, "BLOCK": optim.BLOCK})
             print(f"MasterAdamW multi-tensor, {'partial' if tail else 'whole'} blocks, ALIGNED {aligned}: {global_accesses(k)}")
-    sig = signature(per_parameter, {"p_ptr": "*bf16", "g_ptr": "*bf16", "w_ptr": "*fp32", "m_ptr": "*fp32", "v_ptr": "*fp32",
-                                    **{f: "fp32" for f in per_parameter.arg_names[6:15]}})
-    k = compile_sm90(per_parameter, sig, {"BLOCK": optim.BLOCK}, divisible=launch_divisible(per_parameter, sig))
+    k = compile_sm90(per_parameter, sig_pp, {"BLOCK": optim.BLOCK}, divisible=launch_divisible(per_parameter, sig_pp))
     print(f"MasterAdamW per-parameter, aligned addresses, a size of whole 16s: {global_accesses(k)}")
     hd = 64  # the 0.4B shape's
     att = {"scale": hd ** -0.5, "masked": -3.0e38, "HD": hd, "G_PAD": da.MIN_ROWS, "HD_PAD": hd, "BLOCK": da.tile_columns(hd, 2),

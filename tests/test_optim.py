@@ -175,6 +175,18 @@ def test_chunk_tables_hold_whole_blocks_and_partial_ones_and_are_built_once(monk
     assert opt._chunks((9, 4, 1, 0), torch.device("cpu"))[0] is whole
 
 
+def adamw_signatures() -> tuple[dict, dict]:
+    """The argument types (tests/sm90.py) of tasks/common/optim_kernels.py's multi-tensor and
+    per-parameter kernels, bf16 weights and gradients."""
+    import tasks.common.optim as optim
+    from tests.sm90 import signature
+
+    per_parameter, multi_tensor, _ = optim._kernels()
+    floats = {f: "fp32" for f in ("lr", "beta1", "one_minus_beta1", "beta2", "one_minus_beta2", "eps", "decay", "bc1", "bc2_sqrt")}
+    return (signature(multi_tensor, {"ptrs": "*i64", "chunks": "*i64", **floats}),
+            signature(per_parameter, {"p_ptr": "*bf16", "g_ptr": "*bf16", "w_ptr": "*fp32", "m_ptr": "*fp32", "v_ptr": "*fp32", **floats}))
+
+
 def test_multi_tensor_whole_blocks_compile_to_vector_accesses_for_an_h100():
     """The multi-tensor kernel compiled for sm90 (tests/sm90.py), bf16 weights and gradients: its
     whole blocks at aligned addresses read and write every weight, gradient and state in 16-byte
@@ -184,21 +196,17 @@ def test_multi_tensor_whole_blocks_compile_to_vector_accesses_for_an_h100():
     import triton.language as tl
 
     import tasks.common.optim as optim
-    from tests.sm90 import compile_sm90, global_accesses
+    from tests.sm90 import compile_sm90, global_accesses, launch_divisible
 
     per_parameter, multi_tensor, _ = optim._kernels()
-    floats = ["lr", "beta1", "one_minus_beta1", "beta2", "one_minus_beta2", "eps", "decay", "bc1", "bc2_sqrt"]
-    sig = {"ptrs": "*i64", "chunks": "*i64", "n_params": "i32", "n_chunks": "i32", **{f: "fp32" for f in floats},
-           **{c: "constexpr" for c in ("P", "G", "TAIL", "ALIGNED", "BLOCK")}}
+    sig, sig_pp = adamw_signatures()
     const = {"P": tl.bfloat16, "G": tl.bfloat16, "BLOCK": optim.BLOCK}
     whole = global_accesses(compile_sm90(multi_tensor, sig, {**const, "TAIL": False, "ALIGNED": True}))
     tail = global_accesses(compile_sm90(multi_tensor, sig, {**const, "TAIL": True, "ALIGNED": True}))
     # the 5 pointers and the chunk table's 2 entries are 64-bit loads; everything else a vector
     assert set(whole) == {"ld.global.b64", "ld.global.v4.b32", "st.global.v4.b32"}, whole
     assert not any(".v" in op for op in tail), tail
-    sig_pp = {"p_ptr": "*bf16", "g_ptr": "*bf16", "w_ptr": "*fp32", "m_ptr": "*fp32", "v_ptr": "*fp32", "n": "i32",
-              **{f: "fp32" for f in floats}, "BLOCK": "constexpr"}
-    pp = compile_sm90(per_parameter, sig_pp, {"BLOCK": optim.BLOCK}, divisible=tuple(range(6)))  # aligned addresses, a size of 16s
+    pp = compile_sm90(per_parameter, sig_pp, {"BLOCK": optim.BLOCK}, divisible=launch_divisible(per_parameter, sig_pp))
     vectors = lambda acc: {k: v for k, v in acc.items() if ".v4." in k}  # noqa: E731
     assert vectors(whole) == vectors(global_accesses(pp)), (whole, global_accesses(pp))
 
