@@ -12,8 +12,9 @@
 #                                                     # issue 18: the split-K Triton linears (tasks/ppo/decode_linear.py) beside cuBLAS
 #                                                     # (PARTS_SHAPES="0.4b 1.5b 8b" for more shapes)
 #   bash bench/gpu_run.sh varlen                      # issue 18: tasks/ppo/varlen_kernel.py (tests natively; alone beside aten's flash,
-#                                                     # 0.4b / 1.5b / 8b heads; the 0.4B learn epoch with each)
-#   bash bench/gpu_run.sh mt                          # issue 18: MasterAdamW's multi-tensor step (tests natively; the 0.4B epoch with each step)
+#                                                     # 0.4b / 1.5b / 8b heads)
+#   bash bench/gpu_run.sh mt                          # issue 18: MasterAdamW's steps (tests natively; the 0.4B epoch with either step and
+#                                                     # either packed-attention kernel, interleaved, profiled)
 #   bash bench/gpu_run.sh nan stage                   # issue 18: which forward turns NaN on the GPU (bench/nan_probe.py); the
 #                                                     # 0.3b stage (fast and plain rollouts), stopping at the first non-finite number
 # grpo = bench/grpo_iteration.py (GRPO n=8 vs PPO, 0.4B shape) and the embedded default with GRPO and the rule as reward.
@@ -46,12 +47,13 @@ for step in "$@"; do
     mfu) for sh in ${MFU_SHAPES:-0.4b 1.5b}; do timeout 280 python3 bench/useful_mfu.py --shape "$sh" ${MFU_ARGS:---profile} --out "$OUT/useful_mfu_$sh.json" > "$OUT/mfu_$sh.log" 2>&1
            tail -14 "$OUT/mfu_$sh.log"; done ;;
     varlen) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_varlen.py > "$OUT/varlen_test.log" 2>&1; tail -3 "$OUT/varlen_test.log"
-            timeout 150 python3 bench/varlen_attention.py --settings ${VARLEN_SETTINGS:-0,0,0,0,0,0,0,0,0,32,0,0,128,64,8,0,0,3,0,0,0,0,4,0} --out "$OUT/varlen_attention.json" > "$OUT/varlen_attention.log" 2>&1; tail -18 "$OUT/varlen_attention.log"
-            timeout 280 python3 bench/useful_mfu.py --shape 0.4b --minibatch 64 --weights bf16 --variants packed1024,packed1024-tvarlen --reps 12 \
-              --profile --profile-variants packed1024,packed1024-tvarlen --out "$OUT/useful_mfu_tvarlen_0.4b.json" > "$OUT/mfu_tvarlen.log" 2>&1; tail -12 "$OUT/mfu_tvarlen.log" ;;
+            timeout 150 python3 bench/varlen_attention.py --settings ${VARLEN_SETTINGS:-0,0,0,0,0,0,0,0,0,32,0,0,128,64,8,0,0,3,0,0,0,0,4,0} --out "$OUT/varlen_attention.json" > "$OUT/varlen_attention.log" 2>&1; tail -18 "$OUT/varlen_attention.log" ;;
     mt) timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_optim.py > "$OUT/optim_test.log" 2>&1; tail -3 "$OUT/optim_test.log"
-        for ms in triton triton-mt triton; do timeout 200 python3 bench/useful_mfu.py --shape 0.4b --minibatch 64 --weights bf16 --variants packed1024 \
-          --reps 12 --master-step $ms --sync-debug --out "$OUT/useful_mfu_${ms}_$SECONDS.json" > "$OUT/mfu_$ms.log" 2>&1; tail -4 "$OUT/mfu_$ms.log"; done ;;
+        # the 0.4B epoch with each master step and packed-attention kernel, their epochs in turn (the machine's speed drifts)
+        timeout 240 python3 bench/useful_mfu.py --shape 0.4b --minibatch 64 --weights bf16 --master-step triton \
+          --variants packed1024,packed1024-tvarlen,packed1024-mt,packed1024-tvarlen-mt --interleave --reps 16 --profile \
+          --profile-variants packed1024,packed1024-tvarlen,packed1024-mt --profile-top 25 --out "$OUT/useful_mfu_interleaved.json" > "$OUT/mfu_interleaved.log" 2>&1
+        grep -v "^ \{5,\}[0-9]" "$OUT/mfu_interleaved.log" | tail -14 ;;
     decode) timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_decode_attention.py > "$OUT/decode_test.log" 2>&1; tail -3 "$OUT/decode_test.log"
             timeout 300 python3 bench/ppo_iteration.py --shape 0.4b --attention sdpa,triton --skip-rollout-baselines --skip-eager-learn \
               --out "$OUT/decode_attention_0.4b.json" > "$OUT/decode_attention.log" 2>&1; grep -E "^attention|decode step|Error" "$OUT/decode_attention.log" | head ;;

@@ -126,7 +126,11 @@ def top_ops(fn, n: int = 15) -> dict:
     from torch.autograd import DeviceType
 
     attr = "self_device_time_total" if DEV == "cuda" else "self_cpu_time_total"
-    rows = [(e.key, getattr(e, attr), e.count, e.device_type != DeviceType.CPU) for e in prof.key_averages()]
+    # a record_function span (the optimizer's "Optimizer.step#...") also has a row on the device's
+    # timeline, as long as the kernels inside it and the gaps between them: not a kernel (counted
+    # as one from 772d601 until 2026-12-08's fifteenth session: 24-33 ms of "other" at 0.4B)
+    rows = [(e.key, getattr(e, attr), e.count, e.device_type != DeviceType.CPU) for e in prof.key_averages()
+            if not (e.is_user_annotation and e.device_type != DeviceType.CPU)]
     total = sum(t for _, t, _, _ in rows) or 1.0
     top = [{"op": k[:120], "ms": round(t / 1e3, 3), "calls": c, "share": round(t / total, 4), "kernel": kernel}
            for k, t, c, kernel in sorted(rows, key=lambda r: -r[1])[:n]]
@@ -263,7 +267,7 @@ def parse_variants(a, exp: dict) -> tuple[dict, dict]:
     return variants
 
 
-SWITCHES = ("-tvarlen", "-eagerhead")  # a variant name's suffixes that set a switch, not the workload (in this order)
+SWITCHES = ("-tvarlen", "-eagerhead", "-mt")  # a variant name's suffixes that set a switch, not the workload (in this order)
 
 
 def bare(name: str) -> str:
@@ -282,33 +286,51 @@ def varlen_of(name: str) -> bool:
 COMPILED_HEAD = [False]  # the policy's log-prob head compiled (generation.action_head), as the stage's compiled actor has it
 
 
-def use_variant(a, name: str) -> None:
+def use_variant(a, name: str, opt=None) -> None:
     """The process-wide switches of variant ``name`` for its epochs: packed attention (``varlen_of``),
     its GPU kernel (tasks/ppo/varlen.py ``KERNEL``: 'triton' where the name has ``-tvarlen``, else
-    aten's flash) and the log-prob head, compiled where the blocks are unless the name ends in ``-eagerhead``."""
+    aten's flash), the log-prob head, compiled where the blocks are unless the name has ``-eagerhead``,
+    and MasterAdamW's multi-tensor step where the name ends in ``-mt`` (or ``--master-step triton-mt``)."""
     packing.VARLEN = varlen_of(name)
     varlen.KERNEL = "triton" if "-tvarlen" in name else "flash"
-    COMPILED_HEAD[0] = compiles(a) and not name.endswith("-eagerhead")
+    COMPILED_HEAD[0] = compiles(a) and "-eagerhead" not in name
+    if isinstance(opt, MasterAdamW):
+        opt.multi_tensor = a.master_step == "triton-mt" or name.endswith("-mt")
 
 
 def time_variants(a, policy, critic, opt, exp: dict, variants: dict, barrier=None) -> dict:
     """Each variant: a warm-up epoch (compilation of its widths, optimizer state), then ``--reps``
-    timed ones -> name -> {first_s, s_all, peak_gib}. ``barrier``: wait for the other learner's
-    process before each epoch, so both start together."""
-    out = {}
-    for name, (order, pk) in variants.items():
-        use_variant(a, name)  # for this variant's epochs (and its profile in main)
-        t, ts = {}, []
+    timed ones (``--interleave``: all warm-ups first, then the variants' epochs in turn, so a drift
+    of the machine's speed falls on each alike) -> name -> {first_s, s_all, peak_gib}. ``barrier``:
+    wait for the other learner's process before each epoch, so both start together."""
+    out = {name: {"s_all": []} for name in variants}
+
+    def one(name: str, key: str) -> None:
+        order, pk = variants[name]
+        use_variant(a, name, opt)
+        t: dict = {}
         barrier and barrier.wait()
-        with timed(t, "first_s"):
+        with timed(t, "s"):
             epoch(policy, critic, opt, exp, order, a.minibatch, a.new_tokens, pack_tokens=pk)
+        if key == "first_s":
+            out[name]["first_s"] = t["s"]
+        else:
+            out[name]["s_all"].append(t["s"])
+
+    if a.interleave:
+        for name in variants:
+            one(name, "first_s")
         reset_peak()
         for _ in range(a.reps):
-            barrier and barrier.wait()
-            with timed(t, "s"):
-                epoch(policy, critic, opt, exp, order, a.minibatch, a.new_tokens, pack_tokens=pk)
-            ts.append(t["s"])
-        out[name] = {"first_s": t["first_s"], "s_all": ts, "peak_gib": peak_gib()}
+            for name in variants:
+                one(name, "s")
+        return {name: {**v, "peak_gib": peak_gib()} for name, v in out.items()}  # the run's peak, all variants'
+    for name in variants:
+        one(name, "first_s")
+        reset_peak()
+        for _ in range(a.reps):
+            one(name, "s")
+        out[name]["peak_gib"] = peak_gib()
     return out
 
 
@@ -356,11 +378,13 @@ def main() -> None:
     ap = workload_args(__doc__.splitlines()[0])
     ap.add_argument("--minibatch", type=int, default=16)
     ap.add_argument("--reps", type=int, default=12, help="timed epochs after the first; their median is reported (a process keeps getting faster for up to ~5 epochs after the compile, bench/RESULTS.md 2026-12-07: fewer reps report the warm-up)")
+    ap.add_argument("--interleave", action="store_true", help="the variants' timed epochs in turn (after every warm-up), "
+                    "not one variant's all together: for variants of near speeds on a machine whose speed drifts")
     ap.add_argument("--vocab", type=int, default=None)
     ap.add_argument("--weights", default="fp32", choices=["fp32", "bf16"], help="fp32: fp32 weights under bf16 autocast (the stage's "
                     "full-parameter learners); bf16: bf16 weights, fp32 masters in the optimizer (MasterAdamW)")
-    ap.add_argument("--master-step", default="triton", choices=["triton", "triton-mt", "torch"], help="--weights bf16 on CUDA: MasterAdamW's "
-                    "step as one Triton pass a parameter, as its two multi-tensor launches (multi_tensor=True), or torch ops (the gradients cast up, AdamW's single-tensor ops on the masters, "
+    ap.add_argument("--master-step", default="triton-mt", choices=["triton-mt", "triton", "torch"], help="--weights bf16 on CUDA: MasterAdamW's "
+                    "step as its two multi-tensor launches (the default since 2026-12-08), as one Triton pass a parameter (multi_tensor=False), or torch ops (the gradients cast up, AdamW's single-tensor ops on the masters, "
                     "the masters copied back; until 2026-12-07's RESULTS, torch's fused AdamW on the masters)")
     ap.add_argument("--lora-actor", type=int, default=0, help="rank of a LoRA actor on a bf16 base (the stage's actor); 0: a full fp32-master policy")
     ap.add_argument("--lora-critic", type=int, default=0, help="rank of a LoRA critic on a frozen bf16 body (ppo.critic_lora_rank); 0: full fp32-master")
@@ -369,7 +393,8 @@ def main() -> None:
                     "packedC: rows packed into bins of C columns (ppo.pack_tokens C), rollout order, varlen attention; packedC_bucket: by "
                     "length_order; packedC-mask: the bins' attention under transformers' block-diagonal mask (tasks/ppo/packing.py VARLEN off); "
                     "any of them -tvarlen: the varlen attention by tasks/ppo/varlen_kernel.py's Triton kernel, not aten's flash; "
-                    "then -eagerhead: the policy's log-prob head eager (the stage compiles it with the blocks)")
+                    "then -eagerhead: the policy's log-prob head eager (the stage compiles it with the blocks); "
+                    "then -mt: MasterAdamW's multi-tensor step (--weights bf16)")
     ap.add_argument("--profile-variants", default="rollout_order,packed1024", help="with --profile: these variants too")
     ap.add_argument("--profile-top", type=int, default=15, help="with --profile: how many ops (by device self time) each profile lists")
     ap.add_argument("--compile", default="blocks", help="how the models are compiled (CUDA; elsewhere only when not 'blocks'): "
@@ -409,13 +434,13 @@ def main() -> None:
                                  "useful_mfu": w["useful_flops"] / s / peak, "computed_mfu": w["computed_flops"] / s / peak,
                                  "real_tokens_per_s": w["real_tokens"] / s}
         v = res["variants"][name]
-        print(f"{name}: {s * 1e3:.0f} ms/epoch (first {first_s:.1f} s), computed {w['computed_tokens']} of "
+        print(f"{name}: {s * 1e3:.0f} ms/epoch (fastest {min(ts) * 1e3:.0f}; first {first_s:.1f} s), computed {w['computed_tokens']} of "
               f"{w['all_tokens']} token slots for {w['real_tokens']} real tokens; useful MFU {100 * v['useful_mfu']:.1f}%, "
               f"computed MFU {100 * v['computed_mfu']:.1f}%, {v['real_tokens_per_s']:.0f} real tokens/s", flush=True)
     if a.sync_debug and DEV == "cuda":
         res["host_syncs"] = {}
         for name, (order, pk) in variants.items():
-            use_variant(a, name)
+            use_variant(a, name, opt)
             try:
                 sites = res["host_syncs"][name] = host_syncs(lambda: epoch(policy, critic, opt, exp, order, mb, N, pack_tokens=pk))
             except Exception as e:  # a diagnosis: record why it could not run, keep the numbers above
@@ -428,7 +453,7 @@ def main() -> None:
     if a.profile:  # the fastest variant, already warm
         best = min(res["variants"], key=lambda k: res["variants"][k]["s"])
         order, pk = variants[best]
-        use_variant(a, best)
+        use_variant(a, best, opt)
         phases: dict = {}
         epoch(policy, critic, opt, exp, order, mb, N, phases, pk)
         split = {k: round(v, 4) for k, v in phases.items()}
@@ -437,7 +462,7 @@ def main() -> None:
         for name in dict.fromkeys([best, *a.profile_variants.split(",")]):
             if name in variants:
                 order, pk = variants[name]
-                use_variant(a, name)
+                use_variant(a, name, opt)
                 prof = res["profile"][name] = top_ops(lambda: epoch(policy, critic, opt, exp, order, mb, N, pack_tokens=pk), a.profile_top)
                 print(f"{name} under the profiler: {prof['wall_ms']} ms wall, {prof['kernel_ms']} ms of kernels "
                       f"({100 * prof['kernel_share_of_wall']:.0f}%): {prof['kernel_ms_by_kind']}", flush=True)
