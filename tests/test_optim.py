@@ -123,7 +123,7 @@ def check_multi_tensor_step_equals_per_parameter_kernel(device: str) -> str:
     block, optim.BLOCK, optim._kernels = optim.BLOCK, 256, lambda: (per_parameter, Counted(), tl_dtype)
     try:
         ref_params, first = params(), params()
-        ref = MasterAdamW(ref_params, lr=3e-3, weight_decay=0.1, triton=True)
+        ref = MasterAdamW(ref_params, lr=3e-3, weight_decay=0.1, triton=True, multi_tensor=False)
         opt = MasterAdamW(first, lr=3e-3, weight_decay=0.1, triton=True, multi_tensor=True)
         run(ref, ref_params, range(3))
         launches.clear()
