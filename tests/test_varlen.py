@@ -187,7 +187,8 @@ def test_triton_kernels_spill_no_registers_on_an_h100(D):
     """The kernels' launch settings (``varlen_kernel.settings``) at the learners' head dims, bf16,
     compiled for sm90 here, aligned as a call usually is and not: no program spills registers to
     local memory (the backward at 64-row tiles spilled at head dim 128 at 8 warps, and at 4 warps
-    at both head dims; bench/RESULTS.md, fourteenth session)."""
+    at both head dims; bench/RESULTS.md, fourteenth session; at 8 warps and head dim 64 with the
+    GPU image's Triton 3.6, 80 B unaligned, which this test caught on the H100 on 2026-12-08)."""
     from tasks.ppo import varlen_kernel as vk
 
     block_m, block_n, fwd_warps, block, bwd_warps, stages = vk.settings(D)

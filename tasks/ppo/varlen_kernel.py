@@ -43,8 +43,11 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # no program spills registers on an H100 (sm90, bf16; ptxas's counts, tests/test_varlen.py): the
 # backward holds four fp32 tiles of the head dim (dK, dV and two of scores), so at 64-row tiles it
 # spilled at 4 warps and head dim 64 (8 B a thread aligned as a call usually is, 760 not), and at
-# 8 warps and 128 (144 / 1,016 B).
-BLOCK_M, BLOCK_N, FWD_WARPS, BLOCK_BWD, BWD_WARPS, NUM_STAGES = 64, 64, 0, 0, 8, 2
+# 8 warps and 128 (144 / 1,016 B). Registers differ between Triton versions: at 8 warps and head
+# dim 64 Triton 3.9 gave 64-row tiles 230 registers, Triton 3.6 (the GPU image's) 255 and an 80 B
+# spill unaligned (bench/RESULTS.md 2026-12-08), so the backward takes 32-row tiles at every head
+# dim (3.6: 171 / 217, 3.9: 161 / 196 at 64; 186 / 255 and 169 / 249 at 128, none spilled).
+BLOCK_M, BLOCK_N, FWD_WARPS, BLOCK_BWD, BWD_WARPS, NUM_STAGES = 64, 64, 0, 32, 8, 2
 
 
 @triton.jit
@@ -193,9 +196,8 @@ def _block_d(D: int) -> int:
 def settings(D: int) -> tuple[int, int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, forward warps, BLOCK_BWD, backward warps, stages) for head dim ``D``:
     the module's, with each 0 taken by the head dim (forward warps 4 up to 64, else 8; backward
-    tiles of 64 rows up to 64, else 32)."""
-    return (BLOCK_M, BLOCK_N, FWD_WARPS or (4 if D <= 64 else 8), BLOCK_BWD or (64 if D <= 64 else 32), BWD_WARPS or 8,
-            NUM_STAGES)
+    tiles of 32 rows)."""
+    return (BLOCK_M, BLOCK_N, FWD_WARPS or (4 if D <= 64 else 8), BLOCK_BWD or 32, BWD_WARPS or 8, NUM_STAGES)
 
 
 @torch.library.triton_op("rlhf::varlen_attention", mutates_args=())
