@@ -158,6 +158,25 @@ def median_ms(fn, reps: int, warmup: int = 0) -> float:
     return 1e3 * statistics.median(ts)
 
 
+def kernel_ms(fn, reps: int) -> float:
+    """The device's kernel time of one call of ``fn`` (CUDA), the mean of ``reps`` under
+    torch.profiler: what the call costs the GPU, whatever its host path costs (``median_ms`` times
+    both). NaN off CUDA."""
+    if not torch.cuda.is_available():
+        return float("nan")
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        sync()
+    # kernels only: CPU rows repeat their kernels' time, and a record_function span has a device row
+    return sum(e.self_device_time_total for e in prof.key_averages()
+               if e.device_type != DeviceType.CPU and not e.is_user_annotation) / 1e3 / reps
+
+
 def reset_peak():
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
