@@ -12,7 +12,7 @@
 #                                                     # issue 18: the split-K Triton linears (tasks/ppo/decode_linear.py) beside cuBLAS
 #                                                     # (PARTS_SHAPES="0.4b 1.5b 8b" for more shapes)
 #   bash bench/gpu_run.sh varlen                      # issue 18: tasks/ppo/varlen_kernel.py (tests natively; alone beside aten's flash,
-#                                                     # 0.4b / 1.5b / 8b heads)
+#                                                     # 0.4b / 1.5b / 8b heads; the chosen settings, 64-row backward tiles, two more)
 #   bash bench/gpu_run.sh mt                          # issue 18: MasterAdamW's steps (tests natively; the 0.4B epoch with either step and
 #                                                     # either packed-attention kernel, interleaved, profiled)
 #   bash bench/gpu_run.sh nan stage                   # issue 18: which forward turns NaN on the GPU (bench/nan_probe.py); the
@@ -47,7 +47,7 @@ for step in "$@"; do
     mfu) for sh in ${MFU_SHAPES:-0.4b 1.5b}; do timeout 280 python3 bench/useful_mfu.py --shape "$sh" ${MFU_ARGS:---profile} --out "$OUT/useful_mfu_$sh.json" > "$OUT/mfu_$sh.log" 2>&1
            tail -14 "$OUT/mfu_$sh.log"; done ;;
     varlen) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_varlen.py > "$OUT/varlen_test.log" 2>&1; tail -3 "$OUT/varlen_test.log"
-            timeout 150 python3 bench/varlen_attention.py --settings ${VARLEN_SETTINGS:-0,0,0,0,0,0,0,0,0,32,0,0,128,64,8,0,0,3,0,0,0,0,4,0} --out "$OUT/varlen_attention.json" > "$OUT/varlen_attention.log" 2>&1; tail -18 "$OUT/varlen_attention.log" ;;
+            timeout 150 python3 bench/varlen_attention.py --settings ${VARLEN_SETTINGS:-0,0,0,0,0,0,0,0,0,64,0,0,128,64,8,0,0,3,0,0,0,0,4,0} --out "$OUT/varlen_attention.json" > "$OUT/varlen_attention.log" 2>&1; tail -18 "$OUT/varlen_attention.log" ;;
     mt) timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_optim.py > "$OUT/optim_test.log" 2>&1; tail -3 "$OUT/optim_test.log"
         # the 0.4B epoch with each master step and packed-attention kernel, their epochs in turn (the machine's speed drifts)
         timeout 240 python3 bench/useful_mfu.py --shape 0.4b --minibatch 64 --weights bf16 --master-step triton \
