@@ -158,13 +158,22 @@ def median_ms(fn, reps: int, warmup: int = 0) -> float:
     return 1e3 * statistics.median(ts)
 
 
+def is_kernel(event) -> bool:
+    """Whether a row of torch.profiler's ``key_averages()`` is the device's own kernel time: not a
+    CPU row (an aten op or Inductor's launcher repeats its kernels' time as its own device time),
+    not a ``record_function`` span (the optimizer's "Optimizer.step#..." also has a row on the
+    device's timeline, as long as its kernels and the gaps between them)."""
+    from torch.autograd import DeviceType
+
+    return event.device_type != DeviceType.CPU and not event.is_user_annotation
+
+
 def kernel_ms(fn, reps: int) -> float:
     """The device's kernel time of one call of ``fn`` (CUDA), the mean of ``reps`` under
     torch.profiler: what the call costs the GPU, whatever its host path costs (``median_ms`` times
     both). NaN off CUDA."""
     if not torch.cuda.is_available():
         return float("nan")
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     sync()
@@ -172,9 +181,7 @@ def kernel_ms(fn, reps: int) -> float:
         for _ in range(reps):
             fn()
         sync()
-    # kernels only: CPU rows repeat their kernels' time, and a record_function span has a device row
-    return sum(e.self_device_time_total for e in prof.key_averages()
-               if e.device_type != DeviceType.CPU and not e.is_user_annotation) / 1e3 / reps
+    return sum(e.self_device_time_total for e in prof.key_averages() if is_kernel(e)) / 1e3 / reps
 
 
 def reset_peak():

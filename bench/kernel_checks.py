@@ -170,18 +170,16 @@ def registers() -> None:
     import tasks.ppo.varlen_kernel as vk
     from tests.sm90 import compile_sm90, global_accesses, launch_divisible, resources, signature
     from tests.test_optim import adamw_signatures
-    from tests.test_varlen import varlen_resources
+    from tests.test_varlen import varlen_constexprs, varlen_resources
 
     for D in (64, 128):
         block_m, block_n, fwd_warps, block, bwd_warps, stages = vk.settings(D)
-        scales = {"scale": D ** -0.5, "scale_log2": D ** -0.5 * vk.LOG2E}
-        common = {"CAUSAL": True, "BLOCK_D": D, "WIDEN": False}
+        fwd_consts, bwd_consts = varlen_constexprs(D)
         for aligned in (True, False):
-            fwd = varlen_resources(vk._forward_kernel, {**common, "BLOCK_M": block_m, "BLOCK_N": block_n, "scale_log2": scales["scale_log2"]},
-                                   fwd_warps, stages, aligned)
+            fwd = varlen_resources(vk._forward_kernel, fwd_consts, fwd_warps, stages, aligned)
             print(f"varlen forward, head dim {D}, {'aligned' if aligned else 'unaligned'}, {block_m}x{block_n} tiles, {fwd_warps} warps: {fwd}")
             for rows, warps in sorted({(block, bwd_warps), (64, 4), (64, 8), (32, 4), (32, 8)}):
-                bwd = varlen_resources(vk._backward_kernel, {**common, **scales, "BLOCK": rows}, warps, stages, aligned)
+                bwd = varlen_resources(vk._backward_kernel, {**bwd_consts, "BLOCK": rows}, warps, stages, aligned)
                 chosen = " (chosen)" if (rows, warps) == (block, bwd_warps) else ""
                 print(f"varlen backward, head dim {D}, {'aligned' if aligned else 'unaligned'}, {rows}-row tiles, {warps} warps{chosen}: {bwd}")
     per_parameter, multi_tensor, _ = optim._kernels()

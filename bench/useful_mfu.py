@@ -43,7 +43,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import (H200_BF16_DENSE_TFLOPS, build_policy, build_value_model, llama_config, lora_value_model,  # noqa: E402
+from bench.common import (H200_BF16_DENSE_TFLOPS, build_policy, build_value_model, is_kernel, llama_config, lora_value_model,  # noqa: E402
                           machine, matmul_tflops, n_params, peak_gib, ppo_epoch_flops, reset_peak, shape_vocab, sync, timed, train_flops, workload_args,
                           write_json)
 from tasks.common.optim import MasterAdamW  # noqa: E402
@@ -126,11 +126,10 @@ def top_ops(fn, n: int = 15) -> dict:
     from torch.autograd import DeviceType
 
     attr = "self_device_time_total" if DEV == "cuda" else "self_cpu_time_total"
-    # a record_function span (the optimizer's "Optimizer.step#...") also has a row on the device's
-    # timeline, as long as the kernels inside it and the gaps between them: not a kernel (counted
-    # as one from 772d601 until 2026-12-08's fifteenth session: 24-33 ms of "other" at 0.4B)
-    rows = [(e.key, getattr(e, attr), e.count, e.device_type != DeviceType.CPU) for e in prof.key_averages()
-            if not (e.is_user_annotation and e.device_type != DeviceType.CPU)]
+    # CPU rows and kernels; not a record_function span's device row (``is_kernel``: counted as a
+    # kernel from 772d601 until 2026-12-08's fifteenth session, 24-33 ms of "other" at 0.4B)
+    rows = [(e.key, getattr(e, attr), e.count, is_kernel(e)) for e in prof.key_averages()
+            if is_kernel(e) or e.device_type == DeviceType.CPU]
     total = sum(t for _, t, _, _ in rows) or 1.0
     top = [{"op": k[:120], "ms": round(t / 1e3, 3), "calls": c, "share": round(t / total, 4), "kernel": kernel}
            for k, t, c, kernel in sorted(rows, key=lambda r: -r[1])[:n]]
@@ -305,31 +304,27 @@ def time_variants(a, policy, critic, opt, exp: dict, variants: dict, barrier=Non
     wait for the other learner's process before each epoch, so both start together."""
     out = {name: {"s_all": []} for name in variants}
 
-    def one(name: str, key: str) -> None:
+    def one(name: str) -> float:
         order, pk = variants[name]
         use_variant(a, name, opt)
         t: dict = {}
         barrier and barrier.wait()
         with timed(t, "s"):
             epoch(policy, critic, opt, exp, order, a.minibatch, a.new_tokens, pack_tokens=pk)
-        if key == "first_s":
-            out[name]["first_s"] = t["s"]
-        else:
-            out[name]["s_all"].append(t["s"])
+        return t["s"]
 
     if a.interleave:
         for name in variants:
-            one(name, "first_s")
+            out[name]["first_s"] = one(name)
         reset_peak()
         for _ in range(a.reps):
             for name in variants:
-                one(name, "s")
+                out[name]["s_all"].append(one(name))
         return {name: {**v, "peak_gib": peak_gib()} for name, v in out.items()}  # the run's peak, all variants'
     for name in variants:
-        one(name, "first_s")
+        out[name]["first_s"] = one(name)
         reset_peak()
-        for _ in range(a.reps):
-            one(name, "s")
+        out[name]["s_all"] = [one(name) for _ in range(a.reps)]
         out[name]["peak_gib"] = peak_gib()
     return out
 

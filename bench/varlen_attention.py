@@ -9,7 +9,8 @@ One call of ``tasks/ppo/varlen.packed_attention`` as a learner's layer makes it 
 heads and head dimension), with ``varlen.KERNEL`` 'flash' and 'triton': milliseconds of the
 forward and of forward + backward (median of ``--reps`` after 3 warm-ups, host and device; and the
 kernels' device time alone, under torch.profiler: on an H100 the Triton op's eager forward +
-backward took 1.3-1.5 ms for ~0.28 ms of kernels, bench/RESULTS.md 2026-12-08), the causal FLOPs' rate,
+backward here took 1.29-1.45 ms, where the learn epoch's profile gave its kernels ~0.28 ms a call,
+bench/RESULTS.md 2026-12-08), the causal FLOPs' rate,
 and each kernel's largest error against an fp32 attention of each sequence alone (output and the
 three gradients), side by side with the ratio: flash's time over the fastest Triton entry's.
 The Triton kernel runs once per ``--settings`` entry (its launch settings: BLOCK_M, BLOCK_N,
@@ -129,11 +130,10 @@ def main() -> None:
                   f"errors {', '.join(f'{e:.1e}' for e in err)}", flush=True)
         if "flash" in row:
             ours = [row[name] for name, _ in runs[1:]]
-            row["speedup_forward"] = row["flash"]["forward_ms"] / min(r["forward_ms"] for r in ours)
-            row["speedup_forward_backward"] = row["flash"]["forward_backward_ms"] / min(r["forward_backward_ms"] for r in ours)
-            row["kernel_speedup_forward"] = row["flash"]["forward_kernel_ms"] / min(r["forward_kernel_ms"] for r in ours)
-            row["kernel_speedup_forward_backward"] = (row["flash"]["forward_backward_kernel_ms"]
-                                                      / min(r["forward_backward_kernel_ms"] for r in ours))
+            for kind in ("", "kernel_"):
+                for part in ("forward", "forward_backward"):
+                    key = f"{part}_{kind}ms"
+                    row[f"{kind}speedup_{part}"] = row["flash"][key] / min(r[key] for r in ours)
             print(f"{shape}: flash / fastest triton time, forward {row['speedup_forward']:.2f}x, forward + backward "
                   f"{row['speedup_forward_backward']:.2f}x; kernels only {row['kernel_speedup_forward']:.2f}x, "
                   f"{row['kernel_speedup_forward_backward']:.2f}x", flush=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tasks.common.optim import MasterAdamW, params_to_bf16
+from tasks.common.optim import STATE_KEYS, MasterAdamW, params_to_bf16
 from tests.test_decode_attention import _run
 
 SHAPES = [(7, 5), (4099,), (3, 64, 33)]  # one off the Triton block, one across two blocks
@@ -63,7 +63,7 @@ def check_triton_step_equals_torch_step(device: str) -> str:
     _run_steps(ref, b, range(5))
     worst = 0.0
     for p, q in zip(a, b):
-        for k in ("master", "exp_avg", "exp_avg_sq"):
+        for k in STATE_KEYS:
             x, y = tri.state[p][k], ref.state[q][k]
             assert x.dtype == torch.float32
             torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-7)
@@ -110,7 +110,7 @@ def check_multi_tensor_step_equals_per_parameter_kernel(device: str) -> str:
     def assert_equal(opt_a, a, opt_b, b):
         for p, q in zip(a, b):
             assert torch.equal(p.detach(), q.detach())
-            assert all(torch.equal(opt_a.state[p][k], opt_b.state[q][k]) for k in ("step", "master", "exp_avg", "exp_avg_sq"))
+            assert all(torch.equal(opt_a.state[p][k], opt_b.state[q][k]) for k in ("step", *STATE_KEYS))
 
     launches, built = [], optim._kernels
     per_parameter, multi_tensor, tl_dtype = built()
@@ -159,7 +159,7 @@ def test_a_gradient_that_is_not_contiguous_takes_the_torch_step(multi_tensor):
         p.grad = torch.arange(32.0).view(4, 8).to(torch.bfloat16).t()  # (8, 4), strides (1, 8)
         opt.step()
     assert torch.equal(a.detach(), b.detach())
-    assert all(torch.equal(fused.state[a][k], plain.state[b][k]) for k in ("step", "master", "exp_avg", "exp_avg_sq"))
+    assert all(torch.equal(fused.state[a][k], plain.state[b][k]) for k in ("step", *STATE_KEYS))
     assert fused.state[a]["exp_avg"][0].tolist() == pytest.approx([0.0, 0.8, 1.6, 2.4])  # (1 - 0.9) * row 0 of the transposed gradient
 
 
@@ -224,7 +224,7 @@ def test_state_dict_round_trip_keeps_fp32_masters_and_resumes_exactly():
     opt2 = MasterAdamW(second, lr=3e-3, weight_decay=0.1, triton=False)
     opt2.load_state_dict(saved)
     for p in second:  # torch's load_state_dict would have cast these to bf16
-        assert all(opt2.state[p][k].dtype == torch.float32 for k in ("master", "exp_avg", "exp_avg_sq"))
+        assert all(opt2.state[p][k].dtype == torch.float32 for k in STATE_KEYS)
     assert all(opt2.state[p]["master"] is not opt1.state[q]["master"] for p, q in zip(second, first))  # copies, not shared
     _run_steps(opt2, second, range(3, 6))
     for p, q in zip(whole, second):

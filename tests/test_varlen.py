@@ -170,6 +170,16 @@ def test_packed_models_through_the_triton_kernel_equal_padded():
 VARLEN_TYPES = {"LSE": "*fp32", "CU": "*i32", "G": "i32", "D": "i32"}  # the kernels' arguments that are not bf16 tensors or i32
 
 
+def varlen_constexprs(D: int) -> tuple[dict, dict]:
+    """The constants of tasks/ppo/varlen_kernel.py's forward (its tiles as ``settings`` gives them)
+    and backward (all but its ``BLOCK``) at head dim ``D``, causal, as a bf16 launch has them."""
+    from tasks.ppo import varlen_kernel as vk
+
+    block_m, block_n = vk.settings(D)[:2]
+    common = {"CAUSAL": True, "BLOCK_D": D, "WIDEN": False, "scale_log2": D ** -0.5 * vk.LOG2E}
+    return {**common, "BLOCK_M": block_m, "BLOCK_N": block_n}, {**common, "scale": D ** -0.5}
+
+
 def varlen_resources(fn, constexprs: dict, warps: int, stages: int, aligned: bool) -> dict:
     """``fn`` of tasks/ppo/varlen_kernel.py compiled for an H100 (tests/sm90.py) on bf16 tensors:
     its registers and spills. ``aligned``: as Triton's launcher specialises the usual call (the
@@ -191,16 +201,14 @@ def test_triton_kernels_spill_no_registers_on_an_h100(D):
     GPU image's Triton 3.6, 80 B unaligned, which this test caught on the H100 on 2026-12-08)."""
     from tasks.ppo import varlen_kernel as vk
 
-    block_m, block_n, fwd_warps, block, bwd_warps, stages = vk.settings(D)
+    _, _, fwd_warps, block, bwd_warps, stages = vk.settings(D)
     # no float arrives at run time: torch.compile types a Python float argument fp64, which fails
     # the forward's compile (its fp32 softmax state turns fp64 in the loop)
-    floats = {"scale": D ** -0.5, "scale_log2": D ** -0.5 * vk.LOG2E}
-    for fn, names in ((vk._forward_kernel, ["scale_log2"]), (vk._backward_kernel, list(floats))):
+    for fn, names in ((vk._forward_kernel, ["scale_log2"]), (vk._backward_kernel, ["scale", "scale_log2"])):
         assert {fn.arg_names.index(n) for n in names} <= set(fn.constexprs), fn.arg_names
-    common = {"CAUSAL": True, "BLOCK_D": D, "WIDEN": False}
+    fwd_consts, bwd_consts = varlen_constexprs(D)
     for aligned in (True, False):
-        fwd = varlen_resources(vk._forward_kernel, {**common, "BLOCK_M": block_m, "BLOCK_N": block_n, "scale_log2": floats["scale_log2"]},
-                              fwd_warps, stages, aligned)
-        bwd = varlen_resources(vk._backward_kernel, {**common, **floats, "BLOCK": block}, bwd_warps, stages, aligned)
+        fwd = varlen_resources(vk._forward_kernel, fwd_consts, fwd_warps, stages, aligned)
+        bwd = varlen_resources(vk._backward_kernel, {**bwd_consts, "BLOCK": block}, bwd_warps, stages, aligned)
         assert fwd["spill_bytes"] == 0 and bwd["spill_bytes"] == 0, (vk.settings(D), aligned, fwd, bwd)
         assert 0 < fwd["regs"] <= 255 and 0 < bwd["regs"] <= 255

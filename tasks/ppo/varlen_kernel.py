@@ -37,8 +37,8 @@ from torch import Tensor
 # Triton's interpreter multiplies bfloat16 bit patterns in tl.dot (tasks/ppo/decode_attention.py):
 # there the operands, already in the input dtype, are widened to fp32 first
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-# launch settings, read at call time (bench/varlen_attention.py --settings sweeps them); 0 = by the
-# head dim, as ``settings`` says. The forward's query rows and key columns a tile, the backward's
+# launch settings, read at call time (bench/varlen_attention.py --settings sweeps them); FWD_WARPS 0 =
+# by the head dim, as ``settings`` says. The forward's query rows and key columns a tile, the backward's
 # one tile (a program's key tile and query tile are the same rows of its sequence). Chosen so that
 # no program spills registers on an H100 (sm90, bf16; ptxas's counts, tests/test_varlen.py): the
 # backward holds four fp32 tiles of the head dim (dK, dV and two of scores), so at 64-row tiles it
@@ -195,9 +195,8 @@ def _block_d(D: int) -> int:
 
 def settings(D: int) -> tuple[int, int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, forward warps, BLOCK_BWD, backward warps, stages) for head dim ``D``:
-    the module's, with each 0 taken by the head dim (forward warps 4 up to 64, else 8; backward
-    tiles of 32 rows)."""
-    return (BLOCK_M, BLOCK_N, FWD_WARPS or (4 if D <= 64 else 8), BLOCK_BWD or 32, BWD_WARPS or 8, NUM_STAGES)
+    the module's, forward warps 0 taken by the head dim (4 up to 64, else 8)."""
+    return BLOCK_M, BLOCK_N, FWD_WARPS or (4 if D <= 64 else 8), BLOCK_BWD, BWD_WARPS, NUM_STAGES
 
 
 @torch.library.triton_op("rlhf::varlen_attention", mutates_args=())
